@@ -1,0 +1,247 @@
+// GRNND graph build on the CPU: the twin of csrc/cuda/build_cuda.cu (seed 000, Algorithms 3-6).
+//
+// Per vertex, a warp on the GPU and a thread here do the same thing in the same order, drawing
+// the same random numbers (csrc/philox.h), so the two builds differ only through the timing of
+// concurrent inserts and float rounding.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "../philox.h"
+#include "vectors_cpu.h"
+
+namespace grnnd {
+namespace cpu {
+namespace {
+
+// A pool slot packs the neighbour id with its "new" flag in the top bit (ids are < 2^31).
+// New entries arrived since the vertex last evaluated its pool; a pair of two old entries was
+// already compared and passed the RNG test, so it is skipped (RNN-Descent's new/old trick).
+constexpr uint32_t kNewBit = 0x80000000u;
+inline int32_t slot_id(uint32_t slot) { return static_cast<int32_t>(slot & ~kNewBit); }
+inline bool slot_is_new(uint32_t slot) { return (slot & kNewBit) != 0; }
+
+// Fixed-capacity double-buffered pools (section 3.5): buffer `read` holds the current
+// candidate sets, buffer `read ^ 1` receives the next ones; a round swaps them.
+class Pools {
+ public:
+  Pools(int64_t n, int capacity)
+      : n_(n), capacity_(capacity), locks_(new std::atomic<uint8_t>[n]) {
+    for (int b = 0; b < 2; ++b) {
+      slots_[b].resize(n * capacity);
+      dists_[b].resize(n * capacity);
+      counts_[b].assign(n, 0);
+    }
+    for (int64_t i = 0; i < n; ++i) locks_[i].store(0, std::memory_order_relaxed);
+  }
+
+  int capacity() const { return capacity_; }
+  int count(int buf, int64_t v) const { return counts_[buf][v]; }
+  const uint32_t* slots(int buf, int64_t v) const { return slots_[buf].data() + v * capacity_; }
+  const float* dists(int buf, int64_t v) const { return dists_[buf].data() + v * capacity_; }
+  void clear(int buf) { std::fill(counts_[buf].begin(), counts_[buf].end(), 0); }
+
+  void copy(int from, int to) {
+    slots_[to] = slots_[from];
+    dists_[to] = dists_[from];
+    counts_[to] = counts_[from];
+  }
+
+  // Algorithm 6 (WARP_INSERT): skip if present, append if room, else replace the farthest
+  // entry when the newcomer is closer. Other threads insert into the same pool concurrently,
+  // so the pool of `v` is locked for the duration.
+  void insert(int buf, int64_t v, int32_t id, float dist, bool is_new) {
+    while (locks_[v].exchange(1, std::memory_order_acquire)) {
+    }
+    uint32_t* slot = slots_[buf].data() + v * capacity_;
+    float* dist_of = dists_[buf].data() + v * capacity_;
+    int& count = counts_[buf][v];
+    bool present = false;
+    for (int i = 0; i < count && !present; ++i) present = slot_id(slot[i]) == id;
+    if (!present) {
+      const uint32_t packed = static_cast<uint32_t>(id) | (is_new ? kNewBit : 0u);
+      if (count < capacity_) {
+        slot[count] = packed;
+        dist_of[count] = dist;
+        ++count;
+      } else {
+        const int far = static_cast<int>(std::max_element(dist_of, dist_of + capacity_) - dist_of);
+        if (dist < dist_of[far]) {
+          slot[far] = packed;
+          dist_of[far] = dist;
+        }
+      }
+    }
+    locks_[v].store(0, std::memory_order_release);
+  }
+
+ private:
+  int64_t n_;
+  int capacity_;
+  std::vector<uint32_t> slots_[2];
+  std::vector<float> dists_[2];
+  std::vector<int> counts_[2];
+  std::unique_ptr<std::atomic<uint8_t>[]> locks_;
+};
+
+// Line 4 of Algorithm 3: S random distinct neighbours (self and repeats are dropped, so a
+// vertex may start with slightly fewer).
+void initialise(const VectorSet& vectors, int64_t n, const BuildParams& p, Pools& pools) {
+  parallel_dynamic(n, 256, [&](int64_t v) {
+    for (int s = 0; s < p.initial_degree; ++s) {
+      const uint32_t r = random_u32(p.seed, Stream::kInitialNeighbours, static_cast<uint32_t>(v), 0, s);
+      const int64_t u = random_below(r, static_cast<uint32_t>(n));
+      if (u != v) pools.insert(0, v, static_cast<int32_t>(u), vectors(v, u), true);
+    }
+  });
+}
+
+// The order in which vertex v visits its pool this round (section 3.3 and the Figure 7 ablation).
+void visit_order(const Pools& pools, int buf, int64_t v, uint32_t round, const BuildParams& p,
+                 std::vector<int>& order, std::vector<uint32_t>& keys) {
+  const int count = pools.count(buf, v);
+  const float* dist = pools.dists(buf, v);
+  order.resize(count);
+  std::iota(order.begin(), order.end(), 0);
+  switch (p.update_order) {
+    case UpdateOrder::kRandom:
+      keys.resize(count);
+      for (int i = 0; i < count; ++i) {
+        keys[i] = random_u32(p.seed, Stream::kVisitOrder, static_cast<uint32_t>(v), round, i);
+      }
+      std::sort(order.begin(), order.end(), [&](int a, int b) { return keys[a] < keys[b] || (keys[a] == keys[b] && a < b); });
+      break;
+    case UpdateOrder::kAscending:
+      std::sort(order.begin(), order.end(), [&](int a, int b) { return dist[a] < dist[b] || (dist[a] == dist[b] && a < b); });
+      break;
+    case UpdateOrder::kDescending:
+      std::sort(order.begin(), order.end(), [&](int a, int b) { return dist[a] > dist[b] || (dist[a] == dist[b] && a < b); });
+      break;
+  }
+}
+
+// Algorithm 4 for one vertex: walk the pool in `order`; each entry is tested against the
+// entries kept so far with the relative-neighbourhood rule (eq. 2): when two neighbours are
+// closer to each other than the farther one is to v, the farther one is handed to the closer
+// one's next pool and dropped from v's. What survives goes to v's next pool as old entries.
+void update_vertex(const VectorSet& vectors, Pools& pools, int read, int64_t v, uint32_t round,
+                   const BuildParams& p, std::vector<int>& order, std::vector<uint32_t>& keys,
+                   std::vector<int>& kept) {
+  const int write = read ^ 1;
+  const uint32_t* slot = pools.slots(read, v);
+  const float* dist = pools.dists(read, v);
+  visit_order(pools, read, v, round, p, order, keys);
+  kept.clear();
+  for (const int i : order) {
+    const int32_t a = slot_id(slot[i]);
+    bool keep = true;
+    for (size_t j = 0; j < kept.size();) {
+      const int b_index = kept[j];
+      if (!slot_is_new(slot[i]) && !slot_is_new(slot[b_index])) {
+        ++j;
+        continue;
+      }
+      const int32_t b = slot_id(slot[b_index]);
+      const float d_ab = vectors(a, b);
+      if (d_ab < std::max(dist[i], dist[b_index])) {
+        if (dist[i] >= dist[b_index]) {  // a is the farther one: it moves to b
+          pools.insert(write, b, a, d_ab, true);
+          keep = false;
+          break;
+        }
+        pools.insert(write, a, b, d_ab, true);  // b is the farther one: it moves to a
+        kept.erase(kept.begin() + j);
+        continue;
+      }
+      ++j;
+    }
+    if (keep) kept.push_back(i);
+  }
+  for (const int i : kept) pools.insert(write, v, slot_id(slot[i]), dist[i], false);
+}
+
+// Section 3.6: v offers itself as a new neighbour to its ceil(rho * |N_v|) closest neighbours.
+// Reads buffer `read`, writes into a copy of it in the other buffer.
+void sample_reverse_edges(int64_t n, Pools& pools, int read, const BuildParams& p) {
+  const int write = read ^ 1;
+  pools.copy(read, write);
+  parallel_dynamic(n, 256, [&](int64_t v) {
+    const int count = pools.count(read, v);
+    const int sampled = static_cast<int>(std::ceil(p.reverse_ratio * count));
+    if (sampled == 0) return;
+    const uint32_t* slot = pools.slots(read, v);
+    const float* dist = pools.dists(read, v);
+    std::vector<int> closest(count);
+    std::iota(closest.begin(), closest.end(), 0);
+    std::partial_sort(closest.begin(), closest.begin() + sampled, closest.end(),
+                      [&](int a, int b) { return dist[a] < dist[b] || (dist[a] == dist[b] && a < b); });
+    for (int j = 0; j < sampled; ++j) {
+      pools.insert(write, slot_id(slot[closest[j]]), static_cast<int32_t>(v), dist[closest[j]], true);
+    }
+  });
+}
+
+at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_degree, int64_t pool_size,
+                     int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
+                     c10::string_view metric, int64_t seed) {
+  check_points(data, "data");
+  check_finite(data, "data");
+  const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
+                                          std::string(update_order), std::string(metric), seed);
+  const int64_t n = data.size(0);
+  const at::Tensor x = prepare_vectors(data, p.metric);
+  const VectorSet vectors{x.data_ptr<float>(), x.size(1), p.metric};
+
+  Pools pools(n, p.pool_size);
+  initialise(vectors, n, p, pools);
+  int read = 0;
+  uint32_t round = 0;
+  for (int t1 = 0; t1 < p.outer_iters; ++t1) {
+    for (int t2 = 0; t2 < p.inner_iters; ++t2) {
+      ++round;
+      pools.clear(read ^ 1);
+      parallel_dynamic(n, 64, [&](int64_t v) {
+        thread_local std::vector<int> order, kept;
+        thread_local std::vector<uint32_t> keys;
+        update_vertex(vectors, pools, read, v, round, p, order, keys, kept);
+      });
+      read ^= 1;
+    }
+    if (t1 + 1 < p.outer_iters && p.reverse_ratio > 0) {
+      sample_reverse_edges(n, pools, read, p);
+      read ^= 1;
+    }
+  }
+
+  // Each row: the pool sorted by distance, cut to `degree`, -1 padded.
+  at::Tensor graph = at::full({n, p.degree}, -1, data.options().dtype(at::kInt).device(at::kCPU));
+  int32_t* out = graph.data_ptr<int32_t>();
+  at::parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
+    std::vector<int> order;
+    for (int64_t v = begin; v < end; ++v) {
+      const int count = pools.count(read, v);
+      const uint32_t* slot = pools.slots(read, v);
+      const float* dist = pools.dists(read, v);
+      order.resize(count);
+      std::iota(order.begin(), order.end(), 0);
+      const int kept = std::min(count, p.degree);
+      std::partial_sort(order.begin(), order.begin() + kept, order.end(), [&](int a, int b) {
+        return dist[a] < dist[b] || (dist[a] == dist[b] && slot_id(slot[a]) < slot_id(slot[b]));
+      });
+      for (int j = 0; j < kept; ++j) out[v * p.degree + j] = slot_id(slot[order[j]]);
+    }
+  });
+  return graph;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(grnnd, CPU, m) { m.impl("build", &build_cpu); }
+
+}  // namespace cpu
+}  // namespace grnnd

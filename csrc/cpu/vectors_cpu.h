@@ -1,0 +1,97 @@
+// Vectors and distances for the CPU kernels.
+//
+// Storage may be float16/bfloat16/float64; the CPU kernels work on one float32 copy so the
+// inner loops are plain float arithmetic the compiler vectorises. Cosine rows are normalised
+// once here, after which cosine is 1 + (negative inner product).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "../params.h"
+
+namespace grnnd {
+namespace cpu {
+
+// float32, contiguous, and unit-norm rows for cosine.
+inline at::Tensor prepare_vectors(const at::Tensor& x, Metric metric) {
+  at::Tensor out = x.to(at::kFloat).contiguous();
+  if (metric == Metric::kCosine) {
+    // A zero row has no direction; leaving it zero gives it distance 1 to everything.
+    out = out / out.norm(2, 1, true).clamp_min(1e-30);
+  }
+  return out;
+}
+
+// Eight independent partial sums let the compiler keep a full SIMD register busy without
+// reassociating (no -ffast-math needed); the tail is summed separately.
+inline float dot(const float* a, const float* b, int dim) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= dim; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < dim; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline float squared_l2(const float* a, const float* b, int dim) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= dim; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      const float t = a[i + j] - b[i + j];
+      acc[j] += t * t;
+    }
+  }
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < dim; ++i) {
+    const float t = a[i] - b[i];
+    s += t * t;
+  }
+  return s;
+}
+
+inline float distance(const float* a, const float* b, int dim, Metric metric) {
+  switch (metric) {
+    case Metric::kL2:
+      return squared_l2(a, b, dim);
+    case Metric::kIP:
+      return -dot(a, b, dim);
+    case Metric::kCosine:
+      return 1.0f - dot(a, b, dim);
+  }
+  return 0.0f;
+}
+
+// Rows of a prepared [n, dim] float32 matrix, with the metric bound in.
+struct VectorSet {
+  const float* base;
+  int64_t dim;
+  Metric metric;
+
+  const float* row(int64_t i) const { return base + i * dim; }
+  float operator()(int64_t i, int64_t j) const { return distance(row(i), row(j), static_cast<int>(dim), metric); }
+  float to(const float* q, int64_t j) const { return distance(q, row(j), static_cast<int>(dim), metric); }
+};
+
+// parallel_for with dynamic chunks: per-vertex work in a build varies a lot, and static
+// splitting leaves threads idle at the end of every round.
+template <typename F>
+void parallel_dynamic(int64_t n, int64_t chunk, const F& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), (n + chunk - 1) / chunk);
+  at::parallel_for(0, std::max<int64_t>(workers, 1), 1, [&](int64_t, int64_t) {
+    for (int64_t begin; (begin = next.fetch_add(chunk)) < n;) {
+      const int64_t end = std::min(n, begin + chunk);
+      for (int64_t i = begin; i < end; ++i) fn(i);
+    }
+  });
+}
+
+}  // namespace cpu
+}  // namespace grnnd

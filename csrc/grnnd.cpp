@@ -1,0 +1,53 @@
+// The op schemas of torch.ops.grnnd: the single place that declares them and their defaults.
+// Kernels register themselves next to their code (csrc/cpu/, csrc/cuda/, knn_graph.cpp).
+#include <Python.h>
+
+#include <torch/library.h>
+
+// Importing torch_grnnd._C loads this library, which runs the registrations below.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY(grnnd, m) {
+  // GRNND graph build (seed 000, Algorithm 3). Defaults were measured: benchmarks/tune_build.py.
+  m.def(
+      "build(Tensor data, *, int degree=32, int initial_degree=16, int pool_size=48, int outer_iters=3, "
+      "int inner_iters=6, float reverse_ratio=0.6, str update_order=\"random\", str metric=\"l2\", "
+      "int seed=0) -> Tensor");
+  // Batched greedy graph search; list_size=0 means max(k, 64).
+  m.def(
+      "search(Tensor data, Tensor graph, Tensor queries, int k, *, int list_size=0, int search_width=1, "
+      "int max_iters=0, str metric=\"l2\", int seed=0, Tensor? filter=None) -> (Tensor, Tensor)");
+  // Exact k nearest neighbours.
+  m.def("knn(Tensor data, Tensor queries, int k, *, str metric=\"l2\") -> (Tensor, Tensor)");
+  // k nearest neighbours of every row of data among the other rows.
+  m.def(
+      "knn_graph(Tensor data, int k, *, str metric=\"l2\", bool exact=False, int list_size=0, int seed=0) "
+      "-> (Tensor, Tensor)");
+}
+
+#ifndef GRNND_WITH_CUDA
+// Without nvcc at install time there are no CUDA kernels; say so instead of the dispatcher's
+// generic "could not run ... with arguments from the 'CUDA' backend".
+namespace {
+[[noreturn]] void no_cuda_kernels(const char* op) {
+  TORCH_CHECK(false, "torch.ops.grnnd.", op,
+              " got CUDA tensors, but torch_grnnd was installed without CUDA kernels (nvcc or a CUDA build "
+              "of torch was missing at install time). Reinstall with both present, or move the tensors to the CPU.");
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
+  m.impl("build", [](const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, double, c10::string_view,
+                     c10::string_view, int64_t) -> at::Tensor { no_cuda_kernels("build"); });
+  m.impl("search", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
+                      c10::string_view, int64_t,
+                      const c10::optional<at::Tensor>&) -> std::tuple<at::Tensor, at::Tensor> {
+    no_cuda_kernels("search");
+  });
+  m.impl("knn", [](const at::Tensor&, const at::Tensor&, int64_t, c10::string_view)
+                    -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernels("knn"); });
+}
+#endif

@@ -1,0 +1,18 @@
+"""torch_grnnd: GRNND k-NN graphs and batched nearest-neighbour search as PyTorch ops.
+
+    import torch_grnnd as grnnd
+    index = grnnd.Index.build(emb, metric="cosine")
+    dists, ids = index.search(queries, k=10)
+
+The ops are also reachable as ``torch.ops.grnnd.build/search/knn/knn_graph``.
+"""
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C  # noqa: F401  (registers torch.ops.grnnd.*)
+from .eval import recall
+from .graph import knn_graph
+from .index import Index
+from .ops import build, knn, search
+
+__all__ = ["Index", "build", "search", "knn", "knn_graph", "recall"]
+__version__ = "0.1.0"

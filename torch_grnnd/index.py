@@ -1,0 +1,78 @@
+"""A searchable index: the vectors, their GRNND graph, and how they were built."""
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+
+class Index:
+    """Vectors plus their GRNND graph, searchable in batches.
+
+    Example:
+        >>> import torch, torch_grnnd as grnnd
+        >>> emb = torch.randn(2000, 32)
+        >>> index = grnnd.Index.build(emb, metric="cosine")
+        >>> dists, ids = index.search(emb[:4], k=5)
+        >>> ids.shape
+        torch.Size([4, 5])
+        >>> state = index.state_dict()          # plain tensors and numbers: torch.save works
+        >>> grnnd.Index.from_state_dict(state).search(emb[:4], k=5)[1].equal(ids)
+        True
+    """
+
+    def __init__(self, data: Tensor, graph: Tensor, metric: ops.Metric = "l2",
+                 build_params: Optional[Dict[str, Any]] = None):
+        """Wrap existing ``data`` and the ``graph`` that ``build`` made of it (no copy)."""
+        self.data = data
+        self.graph = graph
+        self.metric = metric
+        self.build_params = dict(build_params or {})
+
+    @classmethod
+    def build(cls, data: Tensor, *, metric: ops.Metric = "l2", **build_params: Any) -> "Index":
+        """Build the graph of ``data``; ``build_params`` are those of :func:`torch_grnnd.build`."""
+        graph = ops.build(data, metric=metric, **build_params)
+        return cls(data, graph, metric, build_params)
+
+    def search(self, queries: Tensor, k: int = 10, *, list_size: int = 0, search_width: int = 1,
+               max_iters: int = 0, seed: int = 0, filter: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """``(dists, ids)`` of the k nearest rows of each query; see :func:`torch_grnnd.search`."""
+        return ops.search(self.data, self.graph, queries, k, list_size=list_size, search_width=search_width,
+                          max_iters=max_iters, metric=self.metric, seed=seed, filter=filter)
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def to(self, device: torch.device | str) -> "Index":
+        """The same index with its tensors on ``device``."""
+        return Index(self.data.to(device), self.graph.to(device), self.metric, self.build_params)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything needed to restore the index, as tensors, strings and numbers."""
+        return {"data": self.data, "graph": self.graph, "metric": self.metric, "build_params": dict(self.build_params)}
+
+    @classmethod
+    def from_state_dict(cls, state: Dict[str, Any]) -> "Index":
+        """Inverse of :meth:`state_dict` (e.g. after ``torch.load(path, weights_only=True)``)."""
+        missing = {"data", "graph", "metric"} - set(state)
+        if missing:
+            raise ValueError(f"state: missing keys {sorted(missing)}")
+        data, graph = state["data"], state["graph"]
+        if graph.dim() != 2 or graph.shape[0] != data.shape[0]:
+            raise ValueError(f"state: graph of shape {tuple(graph.shape)} does not fit data of shape "
+                             f"{tuple(data.shape)}")
+        return cls(data, graph, state["metric"], state.get("build_params"))
+
+    def __repr__(self) -> str:
+        return (f"Index(n={len(self)}, dim={self.dim}, degree={self.graph.shape[1]}, metric={self.metric!r}, "
+                f"dtype={self.data.dtype}, device={self.device})")
