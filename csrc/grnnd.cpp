@@ -28,26 +28,30 @@ TORCH_LIBRARY(grnnd, m) {
       "-> (Tensor, Tensor)");
 }
 
-#ifndef GRNND_WITH_CUDA
-// Without nvcc at install time there are no CUDA kernels; say so instead of the dispatcher's
-// generic "could not run ... with arguments from the 'CUDA' backend".
+// Ops without a CUDA kernel in this build say so, instead of the dispatcher's generic
+// "could not run ... with arguments from the 'CUDA' backend".
 namespace {
-[[noreturn]] void no_cuda_kernels(const char* op) {
+[[noreturn]] void no_cuda_kernel(const char* op) {
+#ifdef GRNND_WITH_CUDA
+  TORCH_CHECK(false, "torch.ops.grnnd.", op, " has no CUDA kernel yet; move the tensors to the CPU for this op.");
+#else
   TORCH_CHECK(false, "torch.ops.grnnd.", op,
               " got CUDA tensors, but torch_grnnd was installed without CUDA kernels (nvcc or a CUDA build "
               "of torch was missing at install time). Reinstall with both present, or move the tensors to the CPU.");
+#endif
 }
 }  // namespace
 
 TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
+#ifndef GRNND_WITH_CUDA
   m.impl("build", [](const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, double, c10::string_view,
-                     c10::string_view, int64_t) -> at::Tensor { no_cuda_kernels("build"); });
+                     c10::string_view, int64_t) -> at::Tensor { no_cuda_kernel("build"); });
   m.impl("search", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
                       c10::string_view, int64_t,
                       const c10::optional<at::Tensor>&) -> std::tuple<at::Tensor, at::Tensor> {
-    no_cuda_kernels("search");
+    no_cuda_kernel("search");
   });
-  m.impl("knn", [](const at::Tensor&, const at::Tensor&, int64_t, c10::string_view)
-                    -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernels("knn"); });
-}
 #endif
+  m.impl("knn", [](const at::Tensor&, const at::Tensor&, int64_t, c10::string_view)
+                    -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("knn"); });
+}

@@ -44,7 +44,8 @@ std::tuple<at::Tensor, at::Tensor> knn_graph(const at::Tensor& data, int64_t k, 
   const at::Tensor self = at::arange(n, ids.options()).unsqueeze(1);
   at::Tensor drop = ids.eq(self);
   drop.select(1, k).logical_or_(drop.any(1).logical_not());
-  const at::Tensor keep = std::get<1>(drop.to(at::kByte).sort(/*stable=*/true, /*dim=*/1)).narrow(1, 0, k);
+  const at::Tensor keep = std::get<1>(at::sort(drop.to(at::kByte), /*stable=*/c10::optional<bool>(true), /*dim=*/1,
+                                                    /*descending=*/false)).narrow(1, 0, k);
   return {dists.gather(1, keep), ids.gather(1, keep)};
 }
 

@@ -18,6 +18,13 @@ namespace grnnd {
 //   kCosine 1 - cosine similarity (computed as 1 - <x, y> on rows normalised once up front).
 enum class Metric { kL2, kIP, kCosine };
 
+// Inner product is no metric, and the relative-neighbourhood rule on -<x, y> lets long vectors
+// collect every edge. The build therefore works in a lifted space where each row gets one more
+// coordinate, sqrt(M^2 - |x|^2) with M the largest norm: there |x' - y'|^2 is a true squared
+// Euclidean distance, and for a query lifted with 0, |q' - x'|^2 = |q|^2 + M^2 - 2<q, x> ranks
+// rows exactly as -<q, x> does. So the graph is built on lifted l2 and searched with plain -ip.
+inline bool lifts_inner_product(Metric metric) { return metric == Metric::kIP; }
+
 inline Metric parse_metric(const std::string& name) {
   if (name == "l2") return Metric::kL2;
   if (name == "ip") return Metric::kIP;

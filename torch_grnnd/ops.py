@@ -142,27 +142,38 @@ def knn(data: Tensor, queries: Tensor, k: int, *, metric: Metric = "l2") -> Tupl
     return torch.ops.grnnd.knn.default(data, queries, k, metric=metric)
 
 
-def _query_outputs(queries: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+def _query_outputs(data: Tensor, queries: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    # The one check a fake kernel can make that the real kernel would otherwise make after
+    # dispatch already went to a single device.
+    if data.device != queries.device:
+        raise ValueError(f"data is on {data.device} but queries is on {queries.device}; move them to the same device")
     q = queries.shape[0]
     return queries.new_empty((q, k), dtype=torch.float32), queries.new_empty((q, k), dtype=torch.int64)
 
 
+def _schema_default(op, name: str):
+    return next(a.default_value for a in op.default._schema.arguments if a.name == name)
+
+
+_DEFAULT_DEGREE = _schema_default(torch.ops.grnnd.build, "degree")
+
+
+# Fake kernels receive the arguments as the caller passed them (defaults not filled in).
 @torch.library.register_fake("grnnd::build")
-def _build_fake(data, *, degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio, update_order,
-                metric, seed):
+def _build_fake(data, *, degree=_DEFAULT_DEGREE, **_):
     return data.new_empty((data.shape[0], degree), dtype=torch.int32)
 
 
 @torch.library.register_fake("grnnd::search")
-def _search_fake(data, graph, queries, k, *, list_size, search_width, max_iters, metric, seed, filter):
-    return _query_outputs(queries, k)
+def _search_fake(data, graph, queries, k, **_):
+    return _query_outputs(data, queries, k)
 
 
 @torch.library.register_fake("grnnd::knn")
-def _knn_fake(data, queries, k, *, metric):
-    return _query_outputs(queries, k)
+def _knn_fake(data, queries, k, **_):
+    return _query_outputs(data, queries, k)
 
 
 @torch.library.register_fake("grnnd::knn_graph")
-def _knn_graph_fake(data, k, *, metric, exact, list_size, seed):
-    return _query_outputs(data, k)
+def _knn_graph_fake(data, k, **_):
+    return _query_outputs(data, data, k)

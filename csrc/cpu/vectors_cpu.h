@@ -73,9 +73,18 @@ struct VectorSet {
   const float* base;
   int64_t dim;
   Metric metric;
+  // Optional extra coordinate per row (see inner_product_lift); when set, distances between
+  // rows are squared Euclidean in the lifted space.
+  const float* lift = nullptr;
 
   const float* row(int64_t i) const { return base + i * dim; }
-  float operator()(int64_t i, int64_t j) const { return distance(row(i), row(j), static_cast<int>(dim), metric); }
+  float operator()(int64_t i, int64_t j) const {
+    if (lift != nullptr) {
+      const float t = lift[i] - lift[j];
+      return squared_l2(row(i), row(j), static_cast<int>(dim)) + t * t;
+    }
+    return distance(row(i), row(j), static_cast<int>(dim), metric);
+  }
   float to(const float* q, int64_t j) const { return distance(q, row(j), static_cast<int>(dim), metric); }
 };
 

@@ -1,0 +1,492 @@
+// GRNND graph build on the GPU: the twin of csrc/cpu/build_cpu.cpp (seed 000, Algorithms 3-6).
+//
+// One warp per vertex (section 3.4) does what one CPU thread does in update_vertex, in the same
+// order and with the same random draws (csrc/philox.h), so the two builds differ only through
+// the timing of concurrent inserts and float rounding. The four GRNND components map to:
+//   1. disordered propagation  -> visit_order (update_order = random | ascending | descending),
+//   2. warp-level cooperation  -> team distances, ballot dedupe and max-reduce (warp_cuda.cuh),
+//   3. double-buffered pools   -> DevicePools, two [N, R] buffers, `read` flips every round,
+//   4. reverse-edge sampling   -> reverse_kernel (reverse_ratio = 0 switches it off).
+#include <cmath>
+#include <cstdio>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include <cuda_runtime_api.h>
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "../philox.h"
+#include "vectors_cuda.cuh"
+#include "warp_cuda.cuh"
+
+namespace grnnd {
+namespace cuda {
+namespace {
+
+// A pool slot packs the neighbour id with its "new" flag in the top bit (ids are < 2^31), as
+// on the CPU: a pair of two old entries already passed the RNG test and is skipped.
+constexpr uint32_t kNewBit = 0x80000000u;
+constexpr uint32_t kIdMask = ~kNewBit;
+__device__ __forceinline__ int32_t slot_id(uint32_t slot) { return static_cast<int32_t>(slot & kIdMask); }
+__device__ __forceinline__ bool slot_is_new(uint32_t slot) { return (slot & kNewBit) != 0; }
+__device__ __forceinline__ uint32_t pack_slot(int32_t id, bool is_new) {
+  return static_cast<uint32_t>(id) | (is_new ? kNewBit : 0u);
+}
+
+// Eight warps (eight vertices) per block: the per-warp scratch below stays within the default
+// 48 KiB of shared memory per block even at pool_size = kMaxPoolSize.
+constexpr int kWarpsPerBlock = 8;
+constexpr int kBlockThreads = kWarpsPerBlock * kWarpSize;
+// Words of shared scratch per pool slot and warp: slot, dist, key, order, kept, cmp.
+constexpr int kScratchWords = 6;
+static_assert(kWarpsPerBlock * kScratchWords * kMaxPoolSize * 4 <= 48 * 1024, "scratch exceeds 48 KiB");
+
+// Section 3.5: two fixed [N, R] buffers of (slot, dist) plus counts; buffer `read` holds the
+// current pools, `read ^ 1` receives the next ones. One lock word per vertex guards inserts
+// into its pool (only one buffer is written by any kernel, so one lock serves both).
+struct DevicePools {
+  uint32_t* slots;  // [2, n, capacity]
+  float* dists;     // [2, n, capacity]
+  int* counts;      // [2, n]
+  int* locks;       // [n]
+  int64_t n;
+  int capacity;
+
+  __device__ uint32_t* slots_of(int buf, int64_t v) const { return slots + (buf * n + v) * capacity; }
+  __device__ float* dists_of(int buf, int64_t v) const { return dists + (buf * n + v) * capacity; }
+  __device__ int* count_of(int buf, int64_t v) const { return counts + buf * n + v; }
+
+  // Algorithm 6 into v's pool of buffer `buf`; other warps insert into the same pool
+  // concurrently, hence the lock (held for this one insert only).
+  __device__ void insert(int buf, int64_t v, int32_t id, float dist, bool is_new, int lane) const {
+    warp_lock(locks + v, lane);
+    warp_insert_locked(slots_of(buf, v), dists_of(buf, v), count_of(buf, v), capacity, kIdMask,
+                       pack_slot(id, is_new), dist, lane);
+    warp_unlock(locks + v, lane);
+  }
+};
+
+struct BuildArgs {
+  int64_t n;
+  int dim;
+  Metric metric;      // the metric distances between rows are computed in (l2 when lifted)
+  const float* lift;  // inner product only: the extra coordinate of each row (params.h), else null
+  UpdateOrder update_order;
+  uint64_t seed;
+};
+
+// d(a, b) between two rows as the CPU's VectorSet computes it, by the TEAM lanes of the calling
+// team: the metric's distance, or for inner product the squared Euclidean distance in the space
+// lifted by one coordinate (params.h, lifts_inner_product). A team without a pair passes
+// valid = false and gets a meaningless value without loading anything.
+template <int TEAM, typename T>
+__device__ __forceinline__ float row_distance(const T* __restrict__ x, const BuildArgs& args, int64_t a, int64_t b,
+                                              bool valid, int rank) {
+  float d = team_distance<TEAM>(x + a * args.dim, x + b * args.dim, valid ? args.dim : 0, args.metric, rank);
+  if (args.lift != nullptr && valid) {
+    const float t = args.lift[a] - args.lift[b];
+    d += t * t;
+  }
+  return d;
+}
+
+// A warp's share of the block's dynamic shared memory: its copy of the read pool and the
+// lists update_vertex keeps in std::vectors on the CPU.
+struct WarpScratch {
+  uint32_t* slot;  // read pool: packed slots
+  float* dist;     // read pool: d(v, slot)
+  uint32_t* key;   // random sort keys (update), candidate ids (initialise)
+  int* order;      // visit order: pool indices
+  int* kept;       // pool indices kept so far, in visit order
+  int* cmp;        // positions in `kept` that the current entry must be compared with
+};
+
+__device__ __forceinline__ WarpScratch warp_scratch(int capacity) {
+  extern __shared__ uint32_t scratch[];
+  uint32_t* base = scratch + static_cast<int64_t>(threadIdx.x / kWarpSize) * kScratchWords * capacity;
+  return {base,
+          reinterpret_cast<float*>(base + capacity),
+          base + 2 * capacity,
+          reinterpret_cast<int*>(base + 3 * capacity),
+          reinterpret_cast<int*>(base + 4 * capacity),
+          reinterpret_cast<int*>(base + 5 * capacity)};
+}
+
+size_t scratch_bytes(int capacity) {
+  return static_cast<size_t>(kWarpsPerBlock) * kScratchWords * capacity * sizeof(uint32_t);
+}
+
+// The read pool of v into shared memory. Nothing writes buffer `buf` while it is read.
+__device__ __forceinline__ int load_pool(const DevicePools& pools, int buf, int64_t v, const WarpScratch& s,
+                                         int lane) {
+  const int count = *pools.count_of(buf, v);
+  const uint32_t* slot = pools.slots_of(buf, v);
+  const float* dist = pools.dists_of(buf, v);
+  for (int i = lane; i < count; i += kWarpSize) {
+    s.slot[i] = slot[i];
+    s.dist[i] = dist[i];
+  }
+  __syncwarp();
+  return count;
+}
+
+__device__ __forceinline__ int64_t warp_vertex() {
+  return static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
+}
+
+// Line 4 of Algorithm 3: S random distinct neighbours, the CPU's draws (self and repeats are
+// dropped in draw order, so the pool matches the CPU's slot for slot).
+template <typename T, int TEAM>
+__global__ void __launch_bounds__(kBlockThreads)
+    initialise_kernel(const T* __restrict__ x, DevicePools pools, BuildArgs args, int initial_degree) {
+  constexpr int kTeams = kWarpSize / TEAM;
+  const int64_t v = warp_vertex();
+  if (v >= pools.n) return;
+  const int lane = threadIdx.x % kWarpSize, team = lane / TEAM, rank = lane % TEAM;
+  const WarpScratch s = warp_scratch(pools.capacity);
+  for (int t = lane; t < initial_degree; t += kWarpSize) {
+    const uint32_t r = random_u32(args.seed, Stream::kInitialNeighbours, static_cast<uint32_t>(v), 0, t);
+    s.key[t] = random_below(r, static_cast<uint32_t>(args.n));
+  }
+  __syncwarp();
+  int count = 0;
+  for (int base = 0; base < initial_degree; base += kWarpSize) {
+    const int t = base + lane;
+    bool fresh = false;
+    uint32_t u = 0;
+    if (t < initial_degree) {
+      u = s.key[t];
+      fresh = u != static_cast<uint32_t>(v);
+      for (int j = 0; j < t && fresh; ++j) fresh = s.key[j] != u;
+    }
+    const unsigned mask = __ballot_sync(kFullMask, fresh);
+    if (fresh) s.slot[count + __popc(mask & lanes_below(lane))] = u;
+    count += __popc(mask);
+  }
+  __syncwarp();
+  uint32_t* slot = pools.slots_of(0, v);
+  float* dist = pools.dists_of(0, v);
+  for (int g0 = 0; g0 < count; g0 += kTeams) {
+    const int g = g0 + team;
+    const bool valid = g < count;
+    const int64_t u = valid ? s.slot[g] : v;
+    const float d = row_distance<TEAM>(x, args, v, u, valid, rank);
+    if (valid && rank == 0) {
+      slot[g] = pack_slot(static_cast<int32_t>(u), true);
+      dist[g] = d;
+    }
+  }
+  if (lane == 0) *pools.count_of(0, v) = count;
+}
+
+// Component 1 (section 3.3 and the Figure 7 ablation): the order in which v walks its pool.
+// Same keys and tie-breaks as visit_order on the CPU.
+__device__ __forceinline__ void visit_order(const WarpScratch& s, int count, int64_t v, uint32_t round,
+                                            const BuildArgs& args, int lane) {
+  switch (args.update_order) {
+    case UpdateOrder::kRandom:
+      for (int i = lane; i < count; i += kWarpSize) {
+        s.key[i] = random_u32(args.seed, Stream::kVisitOrder, static_cast<uint32_t>(v), round, i);
+      }
+      __syncwarp();
+      warp_rank_sort(count, count, s.order, lane,
+                     [&](int j, int i) { return s.key[j] < s.key[i] || (s.key[j] == s.key[i] && j < i); });
+      break;
+    case UpdateOrder::kAscending:
+      warp_rank_sort(count, count, s.order, lane,
+                     [&](int j, int i) { return s.dist[j] < s.dist[i] || (s.dist[j] == s.dist[i] && j < i); });
+      break;
+    case UpdateOrder::kDescending:
+      warp_rank_sort(count, count, s.order, lane,
+                     [&](int j, int i) { return s.dist[j] > s.dist[i] || (s.dist[j] == s.dist[i] && j < i); });
+      break;
+  }
+}
+
+// Algorithm 4 for one vertex per warp, with update_vertex's exact outcome: walk the pool in
+// visit order; test each entry a against the entries kept so far with the RNG rule (eq. 2).
+// When a and a kept b are closer to each other than the farther of them is to v, the farther
+// one goes (as new) to the closer one's next pool and leaves v's. Survivors go to v's next pool
+// as old entries.
+//
+// The CPU compares a with the kept entries one at a time and stops at the first one that takes
+// a. Here the warp's teams compute kTeams of those distances at once, then all lanes apply the
+// rule to them in kept order (identical scalar logic on every lane); the next batch is only
+// computed if a is still kept, so at most kTeams - 1 distances are spent past the CPU's stop.
+template <typename T, int TEAM>
+__global__ void __launch_bounds__(kBlockThreads)
+    update_kernel(const T* __restrict__ x, DevicePools pools, BuildArgs args, int read, uint32_t round) {
+  constexpr int kTeams = kWarpSize / TEAM;
+  const int64_t v = warp_vertex();
+  if (v >= pools.n) return;
+  const int lane = threadIdx.x % kWarpSize, team = lane / TEAM, rank = lane % TEAM;
+  const int write = read ^ 1;
+  const WarpScratch s = warp_scratch(pools.capacity);
+  const int count = load_pool(pools, read, v, s, lane);
+  visit_order(s, count, v, round, args, lane);
+
+  int kept_count = 0;
+  for (int step = 0; step < count; ++step) {
+    const int i = s.order[step];
+    const int32_t a = slot_id(s.slot[i]);
+    const bool a_new = slot_is_new(s.slot[i]);
+    const float d_va = s.dist[i];
+    // Kept entries a must be tested against: all of them if a is new, else the new ones.
+    int compared = 0;
+    for (int base = 0; base < kept_count; base += kWarpSize) {
+      const int j = base + lane;
+      const bool need = j < kept_count && (a_new || slot_is_new(s.slot[s.kept[j]]));
+      const unsigned mask = __ballot_sync(kFullMask, need);
+      if (need) s.cmp[compared + __popc(mask & lanes_below(lane))] = j;
+      compared += __popc(mask);
+    }
+    __syncwarp();
+
+    bool keep = true, erased = false;
+    for (int g0 = 0; g0 < compared && keep; g0 += kTeams) {
+      const int g = g0 + team;
+      const bool valid = g < compared;
+      const int64_t b = valid ? slot_id(s.slot[s.kept[s.cmp[g]]]) : a;
+      const float d_team = row_distance<TEAM>(x, args, a, b, valid, rank);
+      const int batch = min(kTeams, compared - g0);
+      for (int t = 0; t < batch; ++t) {
+        const float d_ab = __shfl_sync(kFullMask, d_team, t * TEAM);
+        const int j = s.cmp[g0 + t];
+        const int b_index = s.kept[j];
+        const float d_vb = s.dist[b_index];
+        if (d_ab < fmaxf(d_va, d_vb)) {
+          const int32_t b_id = slot_id(s.slot[b_index]);
+          if (d_va >= d_vb) {  // a is the farther one: it moves to b
+            pools.insert(write, b_id, a, d_ab, true, lane);
+            keep = false;
+            break;
+          }
+          pools.insert(write, a, b_id, d_ab, true, lane);  // b is the farther one: it moves to a
+          if (lane == 0) s.kept[j] = -1;
+          erased = true;
+        }
+      }
+    }
+    __syncwarp();
+    if (erased) kept_count = warp_compact_nonnegative(s.kept, kept_count, lane);
+    if (keep) {
+      if (lane == 0) s.kept[kept_count] = i;
+      ++kept_count;
+    }
+    __syncwarp();
+  }
+
+  // Survivors into v's own next pool as old entries: one lock for all of them (other warps'
+  // inserts land before or after the batch, which is one of the CPU's possible interleavings).
+  warp_lock(pools.locks + v, lane);
+  for (int k = 0; k < kept_count; ++k) {
+    const int i = s.kept[k];
+    warp_insert_locked(pools.slots_of(write, v), pools.dists_of(write, v), pools.count_of(write, v),
+                       pools.capacity, kIdMask, pack_slot(slot_id(s.slot[i]), false), s.dist[i], lane);
+  }
+  warp_unlock(pools.locks + v, lane);
+}
+
+// Component 4 (section 3.6): v offers itself as a new neighbour to its ceil(rho * |N_v|)
+// closest neighbours. Reads buffer `read`; buffer `read ^ 1` already holds a copy of it.
+__global__ void __launch_bounds__(kBlockThreads) reverse_kernel(DevicePools pools, int read, double ratio) {
+  const int64_t v = warp_vertex();
+  if (v >= pools.n) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const WarpScratch s = warp_scratch(pools.capacity);
+  const int count = load_pool(pools, read, v, s, lane);
+  const int sampled = static_cast<int>(ceil(ratio * count));
+  if (sampled == 0) return;
+  warp_rank_sort(count, sampled, s.order, lane,
+                 [&](int j, int i) { return s.dist[j] < s.dist[i] || (s.dist[j] == s.dist[i] && j < i); });
+  for (int r = 0; r < sampled; ++r) {
+    const int i = s.order[r];
+    pools.insert(read ^ 1, slot_id(s.slot[i]), static_cast<int32_t>(v), s.dist[i], true, lane);
+  }
+}
+
+// Each row: the pool sorted by (distance, id), cut to `degree`, -1 padded.
+__global__ void __launch_bounds__(kBlockThreads)
+    finalise_kernel(DevicePools pools, int read, int degree, int32_t* __restrict__ graph) {
+  const int64_t v = warp_vertex();
+  if (v >= pools.n) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const WarpScratch s = warp_scratch(pools.capacity);
+  const int count = load_pool(pools, read, v, s, lane);
+  const int kept = min(count, degree);
+  warp_rank_sort(count, kept, s.order, lane, [&](int j, int i) {
+    return s.dist[j] < s.dist[i] || (s.dist[j] == s.dist[i] && slot_id(s.slot[j]) < slot_id(s.slot[i]));
+  });
+  int32_t* row = graph + v * degree;
+  for (int r = lane; r < degree; r += kWarpSize) row[r] = r < kept ? slot_id(s.slot[s.order[r]]) : -1;
+}
+
+// Team size for the distance (seed 002 on team sizes): enough lanes that each loads one or two
+// 16-byte chunks of a row, so a warp computes 32 / TEAM distances at once for short rows and
+// one at a time, with all lanes loading, for long ones.
+int team_size(int64_t dim, int64_t element_size) {
+  const int64_t chunks = (dim * element_size + 15) / 16;
+  return chunks <= 8 ? 4 : chunks <= 16 ? 8 : chunks <= 32 ? 16 : 32;
+}
+
+template <typename T, int TEAM>
+void run_build(const T* x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p, int32_t* graph,
+               cudaStream_t stream) {
+  const int64_t n = pools.n;
+  const unsigned blocks = static_cast<unsigned>(ceil_div(n, kWarpsPerBlock));
+  const size_t shared = scratch_bytes(pools.capacity);
+  const size_t buffer_slots = static_cast<size_t>(n) * pools.capacity;
+
+  initialise_kernel<T, TEAM><<<blocks, kBlockThreads, shared, stream>>>(x, pools, args, p.initial_degree);
+  check_launch();
+  int read = 0;
+  uint32_t round = 0;
+  for (int t1 = 0; t1 < p.outer_iters; ++t1) {
+    for (int t2 = 0; t2 < p.inner_iters; ++t2) {
+      ++round;
+      C10_CUDA_CHECK(cudaMemsetAsync(pools.counts + (read ^ 1) * n, 0, n * sizeof(int), stream));
+      update_kernel<T, TEAM><<<blocks, kBlockThreads, shared, stream>>>(x, pools, args, read, round);
+      check_launch();
+      read ^= 1;
+    }
+    // As on the CPU (build_cpu.cpp), the last outer iteration samples reverse edges too, unlike
+    // Algorithm 3 line 12: the returned rows then also hold incoming RNG edges.
+    if (p.reverse_ratio > 0) {
+      const int write = read ^ 1;
+      C10_CUDA_CHECK(cudaMemcpyAsync(pools.slots + write * buffer_slots, pools.slots + read * buffer_slots,
+                                     buffer_slots * sizeof(uint32_t), cudaMemcpyDeviceToDevice, stream));
+      C10_CUDA_CHECK(cudaMemcpyAsync(pools.dists + write * buffer_slots, pools.dists + read * buffer_slots,
+                                     buffer_slots * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+      C10_CUDA_CHECK(cudaMemcpyAsync(pools.counts + write * n, pools.counts + read * n, n * sizeof(int),
+                                     cudaMemcpyDeviceToDevice, stream));
+      reverse_kernel<<<blocks, kBlockThreads, shared, stream>>>(pools, read, p.reverse_ratio);
+      check_launch();
+      read ^= 1;
+    }
+  }
+  finalise_kernel<<<blocks, kBlockThreads, shared, stream>>>(pools, read, p.degree, graph);
+  check_launch();
+}
+
+template <typename T>
+void dispatch_team(const at::Tensor& x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p,
+                   int32_t* graph, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, double>) {
+    TORCH_CHECK(false, "build: float64 storage reached the CUDA kernel (prepare_vectors narrows it)");
+  } else {
+    const T* base = x.data_ptr<T>();
+    switch (team_size(x.size(1), x.element_size())) {
+      case 4:
+        run_build<T, 4>(base, pools, args, p, graph, stream);
+        break;
+      case 8:
+        run_build<T, 8>(base, pools, args, p, graph, stream);
+        break;
+      case 16:
+        run_build<T, 16>(base, pools, args, p, graph, stream);
+        break;
+      default:
+        run_build<T, 32>(base, pools, args, p, graph, stream);
+        break;
+    }
+  }
+}
+
+// "12.3 MiB" / "4.5 GiB" for error messages.
+std::string human_bytes(int64_t bytes) {
+  const bool gib = bytes >= (int64_t{1} << 30);
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.1f %s", static_cast<double>(bytes) / (gib ? 1 << 30 : 1 << 20),
+                gib ? "GiB" : "MiB");
+  return text;
+}
+
+// Free memory on the current device: the driver's free plus what the caching allocator holds
+// reserved but unused (it hands that out before asking the driver).
+int64_t free_device_bytes(c10::DeviceIndex device) {
+  size_t free_bytes = 0, total_bytes = 0;
+  C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  int64_t cached = 0;
+  try {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+    const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    cached = stats.reserved_bytes[aggregate].current - stats.allocated_bytes[aggregate].current;
+  } catch (const c10::Error&) {
+    cached = 0;  // an allocator backend without stats: the driver's number alone
+  }
+  return static_cast<int64_t>(free_bytes) + std::max<int64_t>(cached, 0);
+}
+
+at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_degree, int64_t pool_size,
+                      int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
+                      c10::string_view metric, int64_t seed) {
+  check_points(data, "data");
+  const c10::cuda::CUDAGuard guard(data.device());
+  check_finite(data, "data");
+  const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
+                                          std::string(update_order), std::string(metric), seed);
+  const int64_t n = data.size(0);
+  at::Tensor x = prepare_vectors(data, p.metric);
+  // team_distance's 16-byte loads need a 16-byte aligned base; a view into a larger tensor
+  // may start anywhere, so such input is copied once.
+  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone(at::MemoryFormat::Contiguous);
+  // Inner product is built on lifted l2 exactly as on the CPU (params.h, lifts_inner_product).
+  at::Tensor lift;
+  if (lifts_inner_product(p.metric)) {
+    const at::Tensor sq_norms = x.to(at::kFloat).pow(2).sum(1);
+    lift = (sq_norms.max() - sq_norms).clamp_min(0).sqrt().contiguous();
+  }
+
+  // Everything the build allocates, once, before the first kernel (section 3.5: no allocation
+  // in the loop): 2 x [N, R] slots and distances, 2 x [N] counts, [N] locks, the [N, degree] graph.
+  const int64_t capacity = p.pool_size;
+  const int64_t needed = 2 * n * capacity * static_cast<int64_t>(sizeof(uint32_t) + sizeof(float)) +
+                         3 * n * static_cast<int64_t>(sizeof(int)) +
+                         n * p.degree * static_cast<int64_t>(sizeof(int32_t));
+  const int64_t available = free_device_bytes(data.device().index());
+  TORCH_CHECK_WITH(OutOfMemoryError, needed <= available, "build: needs ", human_bytes(needed), " of GPU memory on ",
+                   data.device(), " for its pools (2 x N x pool_size x 8 bytes with N = ", n, ", pool_size = ",
+                   capacity, ") and the graph, but only ", human_bytes(available),
+                   " are free; lower pool_size or build on fewer rows at a time");
+  const at::TensorOptions on_device = at::TensorOptions().device(data.device());
+  at::Tensor slots, dists, counts, locks, graph;
+  try {
+    slots = at::empty({2, n, capacity}, on_device.dtype(at::kInt));
+    dists = at::empty({2, n, capacity}, on_device.dtype(at::kFloat));
+    counts = at::empty({2, n}, on_device.dtype(at::kInt));
+    locks = at::zeros({n}, on_device.dtype(at::kInt));
+    graph = at::empty({n, p.degree}, on_device.dtype(at::kInt));
+  } catch (const c10::OutOfMemoryError&) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "build: needs ", human_bytes(needed), " of GPU memory on ", data.device(),
+                     " for its pools and graph (N = ", n, ", pool_size = ", capacity,
+                     "), which the allocator could not provide; lower pool_size or build on fewer rows at a time");
+  }
+
+  const DevicePools pools{reinterpret_cast<uint32_t*>(slots.data_ptr<int>()),
+                          dists.data_ptr<float>(),
+                          counts.data_ptr<int>(),
+                          locks.data_ptr<int>(),
+                          n,
+                          p.pool_size};
+  const BuildArgs args{n,
+                       static_cast<int>(x.size(1)),
+                       lift.defined() ? Metric::kL2 : p.metric,
+                       lift.defined() ? lift.data_ptr<float>() : nullptr,
+                       p.update_order,
+                       p.seed};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index());
+  GRNND_DISPATCH_STORAGE(x.scalar_type(), "grnnd_build_cuda",
+                         [&] { dispatch_team<scalar_t>(x, pools, args, p, graph.data_ptr<int32_t>(), stream); });
+  return graph;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(grnnd, CUDA, m) { m.impl("build", &build_cuda); }
+
+}  // namespace cuda
+}  // namespace grnnd

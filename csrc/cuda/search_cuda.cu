@@ -1,0 +1,519 @@
+// Batched graph search on the GPU: the twin of csrc/cpu/search_cpu.cpp.
+//
+// CAGRA's single-CTA search, the design the GPU study (seed 002) found fastest: one thread block
+// per query; the best `list_size` nodes seen kept sorted in shared memory (M slots, M = list_size
+// rounded up to a power of two); each iteration the `search_width` best not yet expanded nodes
+// are expanded, their unvisited neighbours' distances computed by teams of lanes, the new
+// candidates sorted and merged into the list with a bitonic network (seed 002, OB 8: sort the
+// batch and merge rather than insert one by one); an O(1) open-addressing visited hash in shared
+// memory (OB 8: CAGRA's hash, not GGNN's linear scan). Stops when no unexpanded node is left in
+// the list or after `max_iters` iterations. Entry points are drawn exactly as the CPU draws them,
+// so both walk the same graph from the same start.
+//
+// Why results never hold a duplicate id although the hash "forgets": the hash is cleared only
+// between iterations and then refilled with every id in the list (and in the filtered result
+// list), and it is never more than half full, so an insertion always finds the key or a free
+// slot. A node in either list is therefore always known; a forgotten node is one that was cut
+// from the list earlier, and as the list's worst key only improves it can never re-enter: it
+// costs one recomputed distance, nothing else.
+//
+// Not here yet: CAGRA's multi-CTA mode for small batches (seed 002, OB 10: a batch of 1-100
+// queries leaves most SMs idle with one block per query). A batch smaller than the SM count
+// runs correctly but slowly; splitting a query over several blocks is the next step.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "../philox.h"
+#include "vectors_cuda.cuh"
+
+namespace grnnd {
+namespace cuda {
+namespace {
+
+constexpr uint32_t kEmptyId = 0x7fffffffu;   // unused slot; above every real id (n < 2^31 - 1)
+constexpr uint32_t kExpanded = 0x80000000u;  // flag on list ids: this node's neighbours were visited
+constexpr uint32_t kIdMask = 0x7fffffffu;
+constexpr uint32_t kHashFree = 0xffffffffu;
+constexpr int kMaxSearchWidth = 32;          // = params.h bound; parents live in one warp's ballot
+constexpr int kMaxThreads = 512;
+// Sorting networks up to this many keys run in warp 0 alone with __syncwarp between stages:
+// at <= 2 compare-exchanges per lane and stage that is cheaper than a block-wide barrier.
+constexpr int kWarpSortMax = 128;
+
+__host__ __device__ constexpr int next_pow2(int v) {
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+// Total order on (distance, id): ties broken by id so that every thread, every run, sorts
+// the same way (results are reproducible, and a CUDA-graph replay equals the eager call).
+__device__ __forceinline__ bool key_less(float da, uint32_t ia, float db, uint32_t ib) {
+  ia &= kIdMask;
+  ib &= kIdMask;
+  return da < db || (da == db && ia < ib);
+}
+
+__device__ __forceinline__ void compare_swap(float* d, uint32_t* id, int lo, int hi, bool ascending) {
+  const float dl = d[lo], dh = d[hi];
+  const uint32_t il = id[lo], ih = id[hi];
+  if (key_less(dh, ih, dl, il) == ascending) {
+    d[lo] = dh;
+    d[hi] = dl;
+    id[lo] = ih;
+    id[hi] = il;
+  }
+}
+
+// One stage of a bitonic network over n keys: pair t compares slots lo and lo + stride. With
+// `size` = 0 every pair sorts ascending (a merge stage); otherwise pairs alternate direction in
+// blocks of `size` (a stage of the full sort).
+__device__ __forceinline__ void bitonic_stage(float* d, uint32_t* id, int n, int size, int stride, int first,
+                                              int step) {
+  for (int t = first; t < n / 2; t += step) {
+    const int lo = 2 * t - (t & (stride - 1));
+    compare_swap(d, id, lo, lo + stride, size == 0 || (lo & size) == 0);
+  }
+}
+
+// Sorts n keys ascending (n a power of two), or, with kMergeOnly, sorts a bitonic sequence of n
+// keys. Called by the whole block after a __syncthreads that published the keys; returns after
+// one, so the result is visible to every thread.
+template <bool kMergeOnly>
+__device__ void bitonic(float* d, uint32_t* id, int n) {
+  if (n >= 2) {
+    const int first_size = kMergeOnly ? n : 2;
+    if (n <= kWarpSortMax) {
+      if (threadIdx.x < kWarpSize) {
+        for (int size = first_size; size <= n; size <<= 1) {
+          for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            bitonic_stage(d, id, n, size == n ? 0 : size, stride, threadIdx.x, kWarpSize);
+            __syncwarp();  // orders warp 0's shared-memory writes before the next stage reads
+          }
+        }
+      }
+    } else {
+      for (int size = first_size; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+          bitonic_stage(d, id, n, size == n ? 0 : size, stride, threadIdx.x, blockDim.x);
+          __syncthreads();
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// Visited set: open addressing with linear probing over 2^bits slots. Returns true when `key`
+// was not there and this call inserted it. Every probe is an atomicCAS (no plain read racing
+// another thread's insert), so of concurrent inserts of one key exactly one wins. Terminates
+// because the caller keeps the table at most half full.
+__device__ __forceinline__ bool hash_insert(uint32_t* table, int bits, uint32_t key, int* count) {
+  const uint32_t mask = (1u << bits) - 1u;
+  uint32_t slot = (key * 0x9E3779B1u) >> (32 - bits);  // Fibonacci hashing: the high bits mix best
+  for (uint32_t probe = 0; probe <= mask; ++probe) {
+    const uint32_t prev = atomicCAS(table + slot, kHashFree, key);
+    if (prev == kHashFree) {
+      atomicAdd(count, 1);
+      return true;
+    }
+    if (prev == key) return false;
+    slot = (slot + 1u) & mask;
+  }
+  return false;  // full table: unreachable at load <= 1/2; treating the key as seen is safe
+}
+
+struct SearchArgs {
+  const int32_t* graph;
+  const bool* allowed;  // null without a filter
+  float* out_dists;
+  int64_t* out_ids;
+  uint64_t seed;
+  Metric metric;
+  int n, dim, degree;
+  int k;
+  int list_size;     // entries kept in the list (<= list_cap)
+  int list_cap;      // M: power of two
+  int result_cap;    // power of two >= k with a filter, else 0
+  int cand_cap;      // power of two >= max(M, search_width * degree)
+  int hash_bits;
+  int search_width;
+  int max_iters;
+  int entries;       // min(list_size, n) random entry points, as the CPU draws them
+};
+
+// Shared state besides the dynamic arrays.
+struct Scalars {
+  int n_cand;      // candidates appended this round
+  int hash_count;  // keys in the visited hash
+  int n_parents;
+  int reset;       // clear the hash before expanding
+  int n_allowed;   // allowed candidates kept for the result list
+  uint32_t parents[kMaxSearchWidth];
+};
+
+// Static shared memory of the kernel (Scalars), rounded up generously: dynamic + static must
+// stay within the per-block limit.
+constexpr size_t kStaticShared = 1024;
+static_assert(sizeof(Scalars) <= kStaticShared, "Scalars outgrew its shared-memory allowance");
+
+// Computes the distances of cand[0, n) (ids already written), sorts them, and merges them into
+// the list (and the allowed ones into the result list). Entered after a __syncthreads that
+// published cand ids and s.n_cand; returns after one (or at once, with nothing to do).
+template <typename T, int TEAM>
+__device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query,
+                                   Scalars& s, float* list_d, uint32_t* list_i, float* res_d, uint32_t* res_i,
+                                   float* cand_d, uint32_t* cand_i) {
+  const int tid = threadIdx.x, lane = tid % kWarpSize;
+  const int n = s.n_cand;
+  if (n == 0) return;  // block-uniform; nothing to merge, and the lists are unchanged since the last barrier
+  const int n_sort = next_pow2(n);  // <= cand_cap, which is a power of two >= n
+
+  // Team-cooperative distances (seed 002: warp-cooperative distance with 16-byte loads; the
+  // team size is matched to the row so that short rows do not idle most of a warp).
+  const int teams = blockDim.x / TEAM, team = tid / TEAM, rank = tid % TEAM;
+  const int warp_first_team = (tid / kWarpSize) * (kWarpSize / TEAM);
+  for (int base = 0; base < n; base += teams) {
+    if (base + warp_first_team >= n) continue;  // warp-uniform: no team of this warp has work
+    // Teams without a candidate run the shuffles with an empty row: every lane of a warp must
+    // reach team_sum's __shfl_xor_sync.
+    const int c = base + team;
+    const bool valid = c < n;
+    const uint32_t u = valid ? cand_i[c] : 0u;
+    const T* row = x + static_cast<int64_t>(u) * a.dim;
+    const int dim = valid ? a.dim : 0;
+    float dist = a.metric == Metric::kCosine ? team_cosine_to_unit<TEAM>(query, row, dim, rank)
+                                             : team_distance<TEAM>(query, row, dim, a.metric, rank);
+    if (isnan(dist)) dist = std::numeric_limits<float>::infinity();  // NaN would break the sort order
+    if (valid && rank == 0) cand_d[c] = dist;
+  }
+  for (int c = n + tid; c < n_sort; c += blockDim.x) {
+    cand_d[c] = std::numeric_limits<float>::infinity();
+    cand_i[c] = kEmptyId;
+  }
+  __syncthreads();
+  bitonic<false>(cand_d, cand_i, n_sort);
+
+  // Top-M of list (sorted, M) and candidates (sorted): comparing list[j] with cand[M-1-j] is the
+  // first half-cleaner of a bitonic merge of list ++ reversed candidates; its lower half holds
+  // the M smallest keys as a bitonic sequence, which a log2(M)-stage merge then sorts.
+  const int m = a.list_cap;
+  for (int j = tid; j < m; j += blockDim.x) {
+    const int r = m - 1 - j;
+    if (r < n_sort && key_less(cand_d[r], cand_i[r], list_d[j], list_i[j])) {
+      list_d[j] = cand_d[r];
+      list_i[j] = cand_i[r];
+    }
+  }
+  __syncthreads();
+  bitonic<true>(list_d, list_i, m);
+  // Keep exactly list_size entries, as the CPU list does (M only rounds the storage up).
+  for (int j = a.list_size + tid; j < m; j += blockDim.x) {
+    list_d[j] = std::numeric_limits<float>::infinity();
+    list_i[j] = kEmptyId;
+  }
+
+  if (a.allowed != nullptr) {
+    // Every computed node competes for the results if the filter allows it (as on the CPU).
+    // Warp 0 compacts the allowed candidates to the front in order, so they stay sorted; only
+    // the first k can matter. The list merge above no longer reads cand.
+    if (tid < kWarpSize) {
+      int kept = 0;
+      for (int base = 0; base < n && kept < a.k; base += kWarpSize) {  // kept is warp-uniform
+        const int c = base + lane;
+        bool ok = false;
+        float d = 0.0f;
+        uint32_t u = 0u;
+        if (c < n) {
+          d = cand_d[c];
+          u = cand_i[c];
+          ok = a.allowed[u];
+        }
+        const unsigned bits = __ballot_sync(kFullMask, ok);
+        __syncwarp();  // all lanes have read this chunk before any lane overwrites part of it
+        const int pos = kept + __popc(bits & ((1u << lane) - 1u));
+        if (ok && pos < a.k) {
+          cand_d[pos] = d;
+          cand_i[pos] = u;
+        }
+        kept += __popc(bits);
+        __syncwarp();
+      }
+      if (lane == 0) s.n_allowed = min(kept, a.k);
+    }
+    __syncthreads();
+    const int kept = s.n_allowed, rc = a.result_cap;
+    for (int j = tid; j < rc; j += blockDim.x) {
+      const int r = rc - 1 - j;
+      if (r < kept && key_less(cand_d[r], cand_i[r], res_d[j], res_i[j])) {
+        res_d[j] = cand_d[r];
+        res_i[j] = cand_i[r];
+      }
+    }
+    __syncthreads();
+    bitonic<true>(res_d, res_i, rc);
+    for (int j = a.k + tid; j < rc; j += blockDim.x) {
+      res_d[j] = std::numeric_limits<float>::infinity();
+      res_i[j] = kEmptyId;
+    }
+  }
+  __syncthreads();
+}
+
+template <typename T, int TEAM>
+__global__ void __launch_bounds__(kMaxThreads)
+    search_kernel(const T* __restrict__ x, const T* __restrict__ queries, const SearchArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ Scalars s;
+  float* list_d = reinterpret_cast<float*>(smem);
+  uint32_t* list_i = reinterpret_cast<uint32_t*>(list_d + a.list_cap);
+  float* res_d = reinterpret_cast<float*>(list_i + a.list_cap);
+  uint32_t* res_i = reinterpret_cast<uint32_t*>(res_d + a.result_cap);
+  float* cand_d = reinterpret_cast<float*>(res_i + a.result_cap);
+  uint32_t* cand_i = reinterpret_cast<uint32_t*>(cand_d + a.cand_cap);
+  uint32_t* table = cand_i + a.cand_cap;
+
+  const int tid = threadIdx.x, lane = tid % kWarpSize;
+  const uint32_t qi = blockIdx.x;
+  const T* query = queries + static_cast<int64_t>(qi) * a.dim;
+  const int hash_size = 1 << a.hash_bits;
+
+  for (int i = tid; i < hash_size; i += blockDim.x) table[i] = kHashFree;
+  for (int i = tid; i < a.list_cap; i += blockDim.x) {
+    list_d[i] = std::numeric_limits<float>::infinity();
+    list_i[i] = kEmptyId;
+  }
+  for (int i = tid; i < a.result_cap; i += blockDim.x) {
+    res_d[i] = std::numeric_limits<float>::infinity();
+    res_i[i] = kEmptyId;
+  }
+  if (tid == 0) {
+    s.n_cand = 0;
+    s.hash_count = 0;
+  }
+  __syncthreads();
+
+  // Entry points: the CPU's draws, counter (query, 0, e); repeats are dropped by the hash.
+  for (int e = tid; e < a.entries; e += blockDim.x) {
+    const uint32_t r = random_u32(a.seed, Stream::kEntryPoints, qi, 0, static_cast<uint32_t>(e));
+    const uint32_t id = random_below(r, static_cast<uint32_t>(a.n));
+    if (hash_insert(table, a.hash_bits, id, &s.hash_count)) cand_i[atomicAdd(&s.n_cand, 1)] = id;
+  }
+  __syncthreads();
+  evaluate_and_merge<T, TEAM>(a, x, query, s, list_d, list_i, res_d, res_i, cand_d, cand_i);
+
+  const int half_table = hash_size / 2;
+  for (int iter = 0; a.max_iters == 0 || iter < a.max_iters; ++iter) {
+    // Parents: the search_width best unexpanded entries, found by warp 0 with ballots over the
+    // sorted list (seed 002, OB 12: widths 1-2 are the useful range, so this is a short scan).
+    if (tid < kWarpSize) {
+      int found = 0;
+      for (int base = 0; base < a.list_size && found < a.search_width; base += kWarpSize) {
+        const int i = base + lane;
+        const uint32_t id = i < a.list_size ? list_i[i] : kEmptyId;
+        const bool open = id != kEmptyId && (id & kExpanded) == 0u;
+        const unsigned bits = __ballot_sync(kFullMask, open);
+        const int pos = found + __popc(bits & ((1u << lane) - 1u));
+        if (open && pos < a.search_width) {
+          s.parents[pos] = id;
+          list_i[i] = id | kExpanded;
+        }
+        found = min(found + __popc(bits), a.search_width);
+      }
+      if (lane == 0) {
+        s.n_parents = found;
+        s.n_cand = 0;
+        // Keep the table at most half full through this round's insertions; after a reset it
+        // holds at most list_size + k ids, and the host sized it so that those plus a round fit.
+        s.reset = s.hash_count + found * a.degree > half_table;
+      }
+    }
+    __syncthreads();
+    const int n_parents = s.n_parents;
+    if (n_parents == 0) break;
+
+    if (s.reset) {
+      for (int i = tid; i < hash_size; i += blockDim.x) table[i] = kHashFree;
+      if (tid == 0) s.hash_count = 0;
+      __syncthreads();
+      // Refill with the nodes both lists hold, so that none of them can come back as a duplicate.
+      for (int i = tid; i < a.list_size; i += blockDim.x) {
+        const uint32_t id = list_i[i] & kIdMask;
+        if (id != kEmptyId) hash_insert(table, a.hash_bits, id, &s.hash_count);
+      }
+      for (int i = tid; i < a.result_cap; i += blockDim.x) {
+        const uint32_t id = res_i[i];
+        if (id != kEmptyId) hash_insert(table, a.hash_bits, id, &s.hash_count);
+      }
+      __syncthreads();
+    }
+
+    // Expand: every neighbour slot of every parent is one thread's work. Ids outside [0, n)
+    // (the -1 padding, or a corrupt graph, which the CUDA path does not scan for on the host)
+    // are skipped, so no row outside the data is ever read.
+    const int total = n_parents * a.degree;
+    for (int i = tid; i < total; i += blockDim.x) {
+      const int p = i / a.degree, j = i - p * a.degree;
+      const uint32_t parent = s.parents[p] & kIdMask;
+      const int32_t u = __ldg(a.graph + static_cast<int64_t>(parent) * a.degree + j);
+      if (u >= 0 && u < a.n && hash_insert(table, a.hash_bits, static_cast<uint32_t>(u), &s.hash_count)) {
+        cand_i[atomicAdd(&s.n_cand, 1)] = static_cast<uint32_t>(u);
+      }
+    }
+    __syncthreads();
+    evaluate_and_merge<T, TEAM>(a, x, query, s, list_d, list_i, res_d, res_i, cand_d, cand_i);
+  }
+
+  const float* best_d = a.allowed != nullptr ? res_d : list_d;
+  const uint32_t* best_i = a.allowed != nullptr ? res_i : list_i;
+  const int64_t out = static_cast<int64_t>(qi) * a.k;
+  for (int j = tid; j < a.k; j += blockDim.x) {
+    const uint32_t id = best_i[j] & kIdMask;
+    const bool found = id != kEmptyId;
+    a.out_dists[out + j] = found ? best_d[j] : std::numeric_limits<float>::infinity();
+    a.out_ids[out + j] = found ? static_cast<int64_t>(id) : -1;
+  }
+}
+
+// Lanes per distance, by row size in bytes: enough lanes that each issues at most about four
+// 16-byte loads per row, no more, so that short rows keep many distances in flight per block.
+int pick_team(int64_t row_bytes) {
+  if (row_bytes <= 128) return 4;
+  if (row_bytes <= 512) return 8;
+  if (row_bytes <= 1024) return 16;
+  return 32;
+}
+
+// Threads per block, by list capacity: the merge network has M/2 compare-exchanges per stage.
+int pick_threads(int list_cap) {
+  if (list_cap <= 256) return 128;
+  if (list_cap <= 512) return 256;
+  return 512;
+}
+
+size_t shared_bytes(const SearchArgs& a, int hash_bits) {
+  return sizeof(float) * 2 * (static_cast<size_t>(a.list_cap) + a.result_cap + a.cand_cap) +
+         sizeof(uint32_t) * (size_t{1} << hash_bits);
+}
+
+int log2_of(int64_t pow2) {
+  int b = 0;
+  while ((int64_t{1} << b) < pow2) ++b;
+  return b;
+}
+
+template <typename T, int TEAM>
+void launch(const at::Tensor& x, const at::Tensor& q, const SearchArgs& a, int threads, size_t smem,
+            cudaStream_t stream) {
+  auto kernel = search_kernel<T, TEAM>;
+  if (smem + kStaticShared > 48 * 1024) {
+    // Above the default 48 KiB (static + dynamic) the kernel must opt in; a host-side
+    // attribute, no sync, so it is also allowed while a CUDA graph is being captured.
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  kernel<<<static_cast<unsigned>(q.size(0)), threads, smem, stream>>>(x.data_ptr<T>(), q.data_ptr<T>(), a);
+  check_launch();
+}
+
+// 16-byte loads need 16-byte aligned rows: a view that starts mid-allocation gets a copy.
+at::Tensor aligned(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
+}
+
+std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at::Tensor& graph,
+                                               const at::Tensor& queries, int64_t k, int64_t list_size,
+                                               int64_t search_width, int64_t max_iters, c10::string_view metric,
+                                               int64_t seed, const c10::optional<at::Tensor>& filter) {
+  // As search_cpu, minus the checks that read tensor contents (check_finite, the graph id scan):
+  // on CUDA they would synchronise the host and break CUDA-graph capture; the kernel instead
+  // skips out-of-range graph ids and orders NaN distances last.
+  check_points(data, "data");
+  check_points(queries, "queries");
+  check_same_device(data, "data", queries, "queries");
+  check_same_dim(data, queries);
+  check_graph(graph, data, /*check_ids=*/false);
+  check_filter(filter, data);
+  check_k(k, data.size(0), "number of data rows");
+  const SearchParams p = make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed);
+
+  const c10::cuda::CUDAGuard guard(data.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index()).stream();
+
+  // Cosine: only the queries are normalised; the data rows' norms are folded into the distance
+  // (team_cosine_to_unit), so no [N, D] copy is made per call.
+  const at::Tensor x = aligned(prepare_vectors(data, p.metric == Metric::kCosine ? Metric::kL2 : p.metric));
+  const at::Tensor q = aligned(prepare_vectors(queries.to(x.scalar_type()), p.metric));
+  const at::Tensor g = graph.contiguous();
+  const at::Tensor allowed = filter.has_value() ? filter->contiguous() : at::Tensor();
+
+  const int64_t n = data.size(0), nq = queries.size(0), degree = graph.size(1);
+  TORCH_CHECK_VALUE(nq <= std::numeric_limits<int32_t>::max(), "queries: expected fewer than 2^31 rows, got ", nq);
+  TORCH_CHECK_VALUE(p.search_width <= kMaxSearchWidth, "search_width: expected <= ", kMaxSearchWidth);
+  const int64_t per_round = p.search_width * degree;
+  TORCH_CHECK_VALUE(per_round <= (1 << 16), "search_width * graph degree: the CUDA search expands at most 65536 ",
+                    "neighbours per iteration, got ", p.search_width, " * ", degree);
+
+  SearchArgs a{};
+  a.graph = g.data_ptr<int32_t>();
+  a.allowed = filter.has_value() ? allowed.data_ptr<bool>() : nullptr;
+  a.seed = p.seed;
+  a.metric = p.metric;
+  a.n = static_cast<int>(n);
+  a.dim = static_cast<int>(data.size(1));
+  a.degree = static_cast<int>(degree);
+  a.k = p.k;
+  a.list_size = p.list_size;
+  a.list_cap = next_pow2(p.list_size);
+  a.result_cap = filter.has_value() ? next_pow2(p.k) : 0;
+  a.cand_cap = std::max(a.list_cap, next_pow2(static_cast<int>(per_round)));
+  a.search_width = p.search_width;
+  a.max_iters = p.max_iters;
+  a.entries = static_cast<int>(std::min<int64_t>(p.list_size, n));
+
+  // Visited hash: must hold list + results + one round at load <= 1/2 (the no-duplicate
+  // argument at the top); 4x that, at least 2048 slots, so resets (which forget visited nodes
+  // and cost recomputed distances) stay rare. Falls back to the 2x minimum if shared memory is short.
+  int device = data.device().index(), optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const size_t limit = static_cast<size_t>(optin) - kStaticShared;
+  const int64_t must_hold = static_cast<int64_t>(p.list_size) + (filter.has_value() ? p.k : 0) + per_round;
+  a.hash_bits = log2_of(std::max<int64_t>(4 * must_hold, 2048));
+  if (shared_bytes(a, a.hash_bits) > limit) a.hash_bits = log2_of(2 * must_hold);
+  const size_t smem = shared_bytes(a, a.hash_bits);
+  TORCH_CHECK_VALUE(smem <= limit, "search: list_size ", p.list_size, ", search_width ", p.search_width,
+                    " and graph degree ", degree, " need ", smem, " bytes of shared memory per query on the GPU, ",
+                    "which has ", limit, "; lower list_size or search_width");
+
+  at::Tensor out_dists = at::empty({nq, p.k}, queries.options().dtype(at::kFloat));
+  at::Tensor out_ids = at::empty({nq, p.k}, queries.options().dtype(at::kLong));
+  a.out_dists = out_dists.data_ptr<float>();
+  a.out_ids = out_ids.data_ptr<int64_t>();
+
+  const int threads = pick_threads(a.list_cap);
+  const int team = pick_team(static_cast<int64_t>(a.dim) * x.element_size());
+  GRNND_DISPATCH_STORAGE(x.scalar_type(), "search_cuda", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "search_cuda: float64 storage should have been narrowed by prepare_vectors");
+    } else {
+      switch (team) {
+        case 4: launch<scalar_t, 4>(x, q, a, threads, smem, stream); break;
+        case 8: launch<scalar_t, 8>(x, q, a, threads, smem, stream); break;
+        case 16: launch<scalar_t, 16>(x, q, a, threads, smem, stream); break;
+        default: launch<scalar_t, 32>(x, q, a, threads, smem, stream); break;
+      }
+    }
+  });
+  return {out_dists, out_ids};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(grnnd, CUDA, m) { m.impl("search", &search_cuda); }
+
+}  // namespace cuda
+}  // namespace grnnd

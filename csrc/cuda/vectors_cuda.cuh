@@ -1,0 +1,137 @@
+// Vectors and distances for the CUDA kernels: one place for storage types, 16-byte loads and
+// team-cooperative distances (seed 000, Algorithm 5; seed 002 on team sizes).
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "../params.h"
+
+namespace grnnd {
+namespace cuda {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarpSize = 32;
+
+// Storage the kernels read directly: float32, float16, bfloat16. float64 is narrowed to
+// float32 once (the search itself is float32 anyway); cosine rows are normalised once, in
+// their storage type, so cosine becomes 1 - <x, y>.
+inline at::Tensor prepare_vectors(const at::Tensor& x, Metric metric) {
+  at::Tensor out = x.scalar_type() == at::kDouble ? x.to(at::kFloat) : x;
+  if (metric == Metric::kCosine) {
+    const at::Tensor norms = out.to(at::kFloat).norm(2, 1, true).clamp_min(1e-30);
+    out = (out.to(at::kFloat) / norms).to(out.scalar_type());
+  }
+  return out.contiguous();
+}
+
+// Runs `__VA_ARGS__` with `scalar_t` bound to the storage type of a prepared tensor.
+#define GRNND_DISPATCH_STORAGE(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
+
+// Sum over the TEAM consecutive lanes that share a team; every lane of the team gets the sum.
+template <int TEAM>
+__device__ __forceinline__ float team_sum(float v) {
+#pragma unroll
+  for (int offset = TEAM / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+template <int TEAM>
+__device__ __forceinline__ float team_max(float v) {
+#pragma unroll
+  for (int offset = TEAM / 2; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+  return v;
+}
+
+// Per-lane partial of a distance: squared differences for l2, negative products otherwise.
+template <typename T>
+__device__ __forceinline__ float partial_term(T a, T b, bool l2) {
+  const float x = static_cast<float>(a), y = static_cast<float>(b);
+  if (l2) {
+    const float t = x - y;
+    return t * t;
+  }
+  return -x * y;
+}
+
+// Distance between rows a and b of `dim` elements, computed by the TEAM lanes of the calling
+// team (`rank` = lane index within the team); all of them get the result. Rows whose size is a
+// multiple of 16 bytes (and 16-byte aligned, as prepared tensors are) are read with 16-byte
+// loads, anything else element by element. All 32 lanes of the warp must call this together.
+template <int TEAM, typename T>
+__device__ __forceinline__ float team_distance(const T* a, const T* b, int dim, Metric metric, int rank) {
+  constexpr int kPerChunk = 16 / sizeof(T);
+  const bool l2 = metric == Metric::kL2;
+  float acc = 0.0f;
+  if (dim % kPerChunk == 0) {
+    const uint4* va = reinterpret_cast<const uint4*>(a);
+    const uint4* vb = reinterpret_cast<const uint4*>(b);
+    const int chunks = dim / kPerChunk;
+    for (int c = rank; c < chunks; c += TEAM) {
+      const uint4 ra = __ldg(va + c), rb = __ldg(vb + c);
+      const T* ea = reinterpret_cast<const T*>(&ra);
+      const T* eb = reinterpret_cast<const T*>(&rb);
+#pragma unroll
+      for (int e = 0; e < kPerChunk; ++e) acc += partial_term(ea[e], eb[e], l2);
+    }
+  } else {
+    for (int e = rank; e < dim; e += TEAM) acc += partial_term(a[e], b[e], l2);
+  }
+  const float s = team_sum<TEAM>(acc);
+  return metric == Metric::kCosine ? 1.0f + s : s;
+}
+
+inline void check_launch() { C10_CUDA_KERNEL_LAUNCH_CHECK(); }
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace cuda
+}  // namespace grnnd
+
+namespace grnnd {
+namespace cuda {
+
+// Cosine distance 1 - <q, x> / |x| from a unit-norm row q to a raw (unnormalised) row x, by
+// the TEAM lanes of the calling team; same calling rules and load paths as team_distance.
+// The dot product and |x|^2 come from the same 16-byte loads, so a search by cosine needs no
+// normalised copy of the data (only the few queries are normalised up front), which keeps the
+// op free of an [N, D] pass and allocation per call. A zero row x is at distance 1, as on the CPU.
+template <int TEAM, typename T>
+__device__ __forceinline__ float team_cosine_to_unit(const T* q, const T* x, int dim, int rank) {
+  constexpr int kPerChunk = 16 / sizeof(T);
+  float dot = 0.0f, norm2 = 0.0f;
+  if (dim % kPerChunk == 0) {
+    const uint4* vq = reinterpret_cast<const uint4*>(q);
+    const uint4* vx = reinterpret_cast<const uint4*>(x);
+    const int chunks = dim / kPerChunk;
+    for (int c = rank; c < chunks; c += TEAM) {
+      const uint4 rq = __ldg(vq + c), rx = __ldg(vx + c);
+      const T* eq = reinterpret_cast<const T*>(&rq);
+      const T* ex = reinterpret_cast<const T*>(&rx);
+#pragma unroll
+      for (int e = 0; e < kPerChunk; ++e) {
+        const float b = static_cast<float>(ex[e]);
+        dot += static_cast<float>(eq[e]) * b;
+        norm2 += b * b;
+      }
+    }
+  } else {
+    for (int e = rank; e < dim; e += TEAM) {
+      const float b = static_cast<float>(x[e]);
+      dot += static_cast<float>(q[e]) * b;
+      norm2 += b * b;
+    }
+  }
+  dot = team_sum<TEAM>(dot);
+  norm2 = team_sum<TEAM>(norm2);
+  return 1.0f - dot / fmaxf(sqrtf(norm2), 1e-30f);
+}
+
+}  // namespace cuda
+}  // namespace grnnd

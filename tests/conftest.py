@@ -1,0 +1,50 @@
+"""Shared data for the tests: clustered synthetic vectors and faiss-cpu exact neighbours."""
+import faiss
+import numpy as np
+import pytest
+import torch
+
+
+def clustered(n: int, dim: int, clusters: int, seed: int = 0) -> torch.Tensor:
+    """Points around `clusters` Gaussian centres (unit noise, centres spread by 3)."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(clusters, dim, generator=g) * 3
+    return centres[torch.randint(clusters, (n,), generator=g)] + torch.randn(n, dim, generator=g)
+
+
+def exact_neighbours(data: torch.Tensor, queries: torch.Tensor, k: int, metric: str = "l2"):
+    """faiss-cpu IndexFlat results as (dists, ids) in this library's distance convention."""
+    x = np.ascontiguousarray(data.float().numpy())
+    q = np.ascontiguousarray(queries.float().numpy())
+    if metric == "cosine":
+        x = x / np.linalg.norm(x, axis=1, keepdims=True)
+        q = q / np.linalg.norm(q, axis=1, keepdims=True)
+    index = faiss.IndexFlatL2(x.shape[1]) if metric == "l2" else faiss.IndexFlatIP(x.shape[1])
+    index.add(x)
+    d, i = index.search(q, k)
+    d = torch.from_numpy(d)
+    if metric == "ip":
+        d = -d
+    elif metric == "cosine":
+        d = 1 - d
+    return d, torch.from_numpy(i).long()
+
+
+@pytest.fixture(scope="session")
+def blobs():
+    """20k x 64, 100 clusters, with 500 held-out queries from the same distribution."""
+    data = clustered(20_500, 64, 100, seed=0)
+    return data[:20_000].contiguous(), data[20_000:].contiguous()
+
+
+@pytest.fixture(scope="session")
+def blobs_truth(blobs):
+    data, queries = blobs
+    return exact_neighbours(data, queries, 10)[1]
+
+
+@pytest.fixture(scope="session")
+def blobs_graph(blobs):
+    import torch_grnnd as grnnd
+
+    return grnnd.build(blobs[0])

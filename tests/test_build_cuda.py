@@ -1,0 +1,245 @@
+"""CUDA build (csrc/cuda/build_cuda.cu) against its CPU twin and against exact neighbours.
+
+Skipped without a GPU. The CUDA kernel draws the same random numbers as the CPU one
+(csrc/philox.h), so the parts of a build that do not depend on the timing of concurrent
+inserts give the same graph on both, and the rest must give graphs of the same quality.
+"""
+import numpy as np
+import pytest
+import torch
+
+import torch_grnnd as grnnd
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+METRICS = ["l2", "ip", "cosine"]
+N, DIM, CLUSTERS, QUERIES = 20_000, 64, 100, 1_000
+
+
+def clustered(n, dim, clusters, seed):
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(clusters, dim, generator=g) * 4
+    labels = torch.randint(clusters, (n,), generator=g)
+    return centers[labels] + torch.randn(n, dim, generator=g)
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    x = clustered(N + QUERIES, DIM, CLUSTERS, seed=0)
+    return x[:N].contiguous(), x[N:].contiguous()
+
+
+def exact_ids(data, queries, metric, k=10):
+    """Exact k-NN ids from faiss-cpu, in float32 over the values the build saw."""
+    faiss = pytest.importorskip("faiss")
+    d32 = data.float().cpu().numpy()
+    q32 = queries.float().cpu().numpy()
+    if metric == "l2":
+        index = faiss.IndexFlatL2(d32.shape[1])
+    else:
+        if metric == "cosine":
+            d32 = d32 / np.linalg.norm(d32, axis=1, keepdims=True)
+            q32 = q32 / np.linalg.norm(q32, axis=1, keepdims=True)
+        index = faiss.IndexFlatIP(d32.shape[1])
+    index.add(np.ascontiguousarray(d32))
+    return torch.from_numpy(index.search(np.ascontiguousarray(q32), k)[1])
+
+
+def recall_at_10(data, graph, queries, metric):
+    """recall@10 of the CPU search over `graph` (wherever it was built)."""
+    data, queries = data.cpu(), queries.cpu()
+    _, ids = grnnd.search(data, graph.cpu(), queries, 10, metric=metric)
+    truth = exact_ids(data, queries, metric)
+    hits = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ids, truth))
+    return hits / truth.numel()
+
+
+def row_distances(data, graph, metric):
+    """d(v, graph[v, j]) in float32, +inf at padding."""
+    x = data.float().cpu()
+    g = graph.long().cpu()
+    if metric == "cosine":
+        x = x / x.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    nb = x[g.clamp_min(0)]
+    if metric == "l2":
+        d = ((nb - x[:, None, :]) ** 2).sum(-1)
+    elif metric == "ip":
+        # The build ranks by squared l2 in the lifted space (csrc/params.h, lifts_inner_product):
+        # each row gets the extra coordinate sqrt(max|x|^2 - |x|^2).
+        sq = (x**2).sum(1)
+        lift = (sq.max() - sq).clamp_min(0).sqrt()
+        d = ((nb - x[:, None, :]) ** 2).sum(-1) + (lift[g.clamp_min(0)] - lift[:, None]) ** 2
+    else:
+        d = 1 - (nb * x[:, None, :]).sum(-1)
+    return d.masked_fill(g < 0, float("inf"))
+
+
+def check_invariants(data, graph, degree, metric):
+    n = data.shape[0]
+    assert graph.dtype == torch.int32
+    assert graph.shape == (n, degree)
+    assert graph.device == data.device
+    g = graph.long().cpu()
+    assert int(g.min()) >= -1 and int(g.max()) < n
+    assert not (g == torch.arange(n)[:, None]).any(), "self loop"
+    pad = g < 0
+    # -1 only as tail padding: once a row pads, it pads to the end
+    assert not (pad[:, :-1] & ~pad[:, 1:]).any(), "-1 before a real id"
+    srt = g.sort(dim=1).values
+    assert not ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(), "duplicate id in a row"
+    d = row_distances(data, graph, metric)
+    # ascending by distance (up to float rounding: the kernel sums in another order, and for
+    # cosine normalises in the storage type)
+    tol = 1e-2 if data.dtype != torch.float32 else 1e-4
+    step = d[:, 1:] - d[:, :-1]
+    finite = torch.isfinite(d[:, 1:])
+    assert (step[finite] >= -tol * (1 + d[:, 1:][finite].abs())).all(), "row not ascending by distance"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("metric", METRICS)
+def test_quality_and_parity(dataset, dtype, metric):
+    data, queries = (t.to(dtype) for t in dataset)
+    graph = grnnd.build(data.cuda(), metric=metric)
+    check_invariants(data.cuda(), graph, 32, metric)
+    gpu_recall = recall_at_10(data, graph, queries, metric)
+    assert gpu_recall >= 0.95, f"CUDA-built graph: recall@10 {gpu_recall:.4f}"
+    cpu_recall = recall_at_10(data, grnnd.build(data, metric=metric), queries, metric)
+    assert abs(gpu_recall - cpu_recall) <= 0.01, f"CUDA {gpu_recall:.4f} vs CPU {cpu_recall:.4f}"
+
+
+def same_rows(a, b):
+    """Fraction of rows holding the same set of ids."""
+    a, b = a.long().cpu().sort(dim=1).values, b.long().cpu().sort(dim=1).values
+    return (a == b).all(dim=1).float().mean().item()
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_initial_graph_matches_cpu(metric):
+    # No update round: the graph is the S random neighbours, drawn from the same Philox
+    # streams on both backends, so every row holds exactly the same ids.
+    data = clustered(3_000, 48, 30, seed=1)
+    kw = dict(degree=16, initial_degree=16, pool_size=32, outer_iters=1, inner_iters=0, reverse_ratio=0.0,
+              metric=metric, seed=7)
+    cpu = grnnd.build(data, **kw)
+    gpu = grnnd.build(data.cuda(), **kw)
+    assert same_rows(cpu, gpu) == 1.0
+
+
+def test_reverse_edges_match_cpu():
+    # Reverse-edge sampling alone: a pool keeps the R closest of everything offered to it,
+    # whatever the order of the concurrent inserts, so the sets match the CPU's (up to rows
+    # where float rounding reorders two nearly equal distances at the capacity boundary).
+    data = clustered(3_000, 48, 30, seed=2)
+    kw = dict(degree=24, initial_degree=16, pool_size=24, outer_iters=2, inner_iters=0, reverse_ratio=0.6, seed=3)
+    assert same_rows(grnnd.build(data, **kw), grnnd.build(data.cuda(), **kw)) >= 0.995
+
+
+@pytest.mark.parametrize("update_order", ["random", "ascending", "descending"])
+@pytest.mark.parametrize("reverse_ratio", [0.0, 0.6])
+def test_components_switch(dataset, update_order, reverse_ratio):
+    data, queries = dataset
+    data, queries = data[:5_000], queries[:200]
+    graph = grnnd.build(data.cuda(), update_order=update_order, reverse_ratio=reverse_ratio)
+    check_invariants(data.cuda(), graph, 32, "l2")
+    cpu = grnnd.build(data, update_order=update_order, reverse_ratio=reverse_ratio)
+    assert abs(recall_at_10(data, graph, queries, "l2") - recall_at_10(data, cpu, queries, "l2")) <= 0.02
+
+
+@pytest.mark.parametrize(
+    "dim,dtype",
+    [(1, torch.float32), (3, torch.float32), (100, torch.float16), (130, torch.bfloat16), (4096, torch.float16)],
+)
+def test_odd_and_large_dims(dim, dtype):
+    n = 1_500 if dim < 4096 else 600
+    data = clustered(n + 50, dim, 20, seed=dim).to(dtype)
+    data, queries = data[:n].contiguous(), data[n:].contiguous()
+    graph = grnnd.build(data.cuda(), degree=16, pool_size=32)
+    check_invariants(data.cuda(), graph, 16, "l2")
+    if dim > 1:  # on a line, ties make "exact" ambiguous
+        assert recall_at_10(data, graph, queries, "l2") >= 0.9
+
+
+def test_misaligned_view_and_pool_bounds():
+    # A view that starts 4 bytes into its storage (16-byte loads must not see it misaligned),
+    # and the largest pool the kernels accept.
+    flat = clustered(2_001, 64, 20, seed=5).flatten()
+    data = flat.cuda()[1 : 1 + 2_000 * 64].view(2_000, 64)
+    assert data.data_ptr() % 16 != 0
+    graph = grnnd.build(data, degree=256, initial_degree=64, pool_size=256, outer_iters=2, inner_iters=2)
+    check_invariants(data, graph, 256, "l2")
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_tiny_inputs_match_cpu(n):
+    data = torch.randn(n, 8)
+    kw = dict(degree=4, initial_degree=4, pool_size=8)
+    gpu = grnnd.build(data.cuda(), **kw)
+    check_invariants(data.cuda(), gpu, 4, "l2")
+    assert (gpu.cpu() < 0).sum() == (grnnd.build(data, **kw) < 0).sum()
+
+
+def test_float64_is_accepted():
+    data = clustered(2_000, 32, 20, seed=6).double()
+    check_invariants(data.cuda(), grnnd.build(data.cuda(), degree=16), 16, "l2")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_second_device():
+    data = clustered(3_000, 32, 20, seed=8).to("cuda:1")
+    graph = grnnd.build(data, degree=16)
+    assert graph.device == data.device
+    check_invariants(data, graph, 16, "l2")
+
+
+def test_opcheck():
+    data = clustered(500, 16, 10, seed=9).cuda()
+    kwargs = dict(degree=8, initial_degree=8, pool_size=16, outer_iters=2, inner_iters=2, reverse_ratio=0.6,
+                  update_order="random", metric="l2", seed=0)
+    torch.library.opcheck(torch.ops.grnnd.build.default, (data,), kwargs, test_utils=("test_schema", "test_faketensor"))
+
+
+def error_of(fn):
+    with pytest.raises(Exception) as info:
+        fn()
+    return type(info.value), str(info.value).split("\n")[0]
+
+
+@pytest.mark.parametrize(
+    "make,kwargs",
+    [
+        (lambda: torch.randn(10, 4).index_put_((torch.tensor([3]), torch.tensor([1])), torch.tensor(float("nan"))), {}),
+        (lambda: torch.randn(10, 4).index_put_((torch.tensor([7]), torch.tensor([0])), torch.tensor(float("inf"))), {}),
+        (lambda: torch.randn(10), {}),
+        (lambda: torch.randint(0, 5, (10, 4)), {}),
+        (lambda: torch.randn(0, 4), {}),
+        (lambda: torch.randn(10, 4), {"pool_size": 300}),
+        (lambda: torch.randn(10, 4), {"degree": 64, "pool_size": 48}),
+        (lambda: torch.randn(10, 4), {"metric": "hamming"}),
+        (lambda: torch.randn(10, 4), {"update_order": "sideways"}),
+        (lambda: torch.randn(10, 4), {"reverse_ratio": 1.5}),
+    ],
+)
+def test_bad_input_errors_match_cpu(make, kwargs):
+    data = make()
+    cpu = error_of(lambda: grnnd.build(data, **kwargs))
+    gpu = error_of(lambda: grnnd.build(data.cuda(), **kwargs))
+    assert gpu == cpu
+
+
+def test_nan_row_names_data():
+    data = torch.randn(100, 8, device="cuda")
+    data[42, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"^data: expected finite values, row 42"):
+        grnnd.build(data)
+
+
+def test_too_large_build_says_how_much_memory():
+    # 200M rows of one float16 (a stride-0 view, no memory of its own) need ~800 GiB of pools
+    # at pool_size 256; the build must refuse with the size, not crash in the allocator.
+    if torch.cuda.get_device_properties(0).total_memory < 16 * 2**30:
+        pytest.skip("needs a GPU with room for the 200M-row input's temporaries")
+    data = torch.zeros(1, 1, dtype=torch.float16, device="cuda").expand(200_000_000, 1)
+    with pytest.raises(torch.OutOfMemoryError, match=r"build: needs [0-9.]+ [GM]iB of GPU memory.*pool_size = 256"):
+        grnnd.build(data, degree=16, pool_size=256)

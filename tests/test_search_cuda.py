@@ -1,0 +1,301 @@
+"""The CUDA search kernel (csrc/cuda/search_cuda.cu) against exact results and its CPU twin.
+
+The graphs are built on the CPU, so these tests measure the search alone. The CUDA kernel walks
+the same graph from the same random entry points as the CPU kernel; only float summation order
+differs, so its recall must match the CPU's at the same settings (within 0.01).
+"""
+import numpy as np
+import pytest
+import torch
+
+import torch_grnnd as grnnd
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+try:
+    import faiss
+except ImportError:  # the exact CPU kernel stands in; faiss is in the [test] extra
+    faiss = None
+
+N, DIM, NQ, K = 20_000, 64, 1_000, 10
+METRICS = ["l2", "ip", "cosine"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def clustered(n, dim, clusters, seed=0):
+    """Gaussian clusters whose centres sit close together relative to their spread, so that
+    graph search is far from trivial (CPU recall@10 about 0.67 at list 32, 0.97 at list 256)."""
+    g = torch.Generator().manual_seed(seed)
+    centres = 0.25 * torch.randn(clusters, dim, generator=g)
+    labels = torch.randint(0, clusters, (n,), generator=g)
+    return centres[labels] + 0.5 * torch.randn(n, dim, generator=g)
+
+
+@pytest.fixture(scope="module")
+def points():
+    x = clustered(N + NQ, DIM, 100)
+    return x[:N].contiguous(), x[N:].contiguous()
+
+
+_graphs = {}
+
+
+@pytest.fixture(scope="module")
+def graph_for(points):
+    def get(metric):
+        if metric not in _graphs:
+            _graphs[metric] = grnnd.build(points[0], metric=metric)
+        return _graphs[metric]
+
+    return get
+
+
+def exact(data, queries, k, metric):
+    """Exact k-NN ids (int64 [Q, k]) of float32 copies of the (possibly rounded) rows."""
+    x, q = data.float().cpu(), queries.float().cpu()
+    if metric == "cosine":
+        x = torch.nn.functional.normalize(x, dim=1)
+        q = torch.nn.functional.normalize(q, dim=1)
+    if faiss is None:
+        return grnnd.knn(x, q, k, metric="l2" if metric == "l2" else "ip")[1]
+    index = faiss.IndexFlatL2(x.shape[1]) if metric == "l2" else faiss.IndexFlatIP(x.shape[1])
+    index.add(np.ascontiguousarray(x.numpy()))
+    return torch.from_numpy(index.search(np.ascontiguousarray(q.numpy()), k)[1]).long()
+
+
+def reference_distances(data, queries, ids, metric):
+    """Distances of the returned ids, recomputed in float64 on the CPU (-1 ids give +inf)."""
+    x, q = data.double().cpu(), queries.double().cpu()
+    safe = ids.cpu().clamp_min(0)
+    rows = x[safe]  # [Q, k, D]
+    if metric == "l2":
+        d = ((rows - q[:, None, :]) ** 2).sum(-1)
+    elif metric == "ip":
+        d = -(rows * q[:, None, :]).sum(-1)
+    else:
+        d = 1 - torch.nn.functional.cosine_similarity(rows, q[:, None, :].expand_as(rows), dim=-1)
+    return torch.where(ids.cpu() >= 0, d, torch.full_like(d, float("inf")))
+
+
+def check_rows(dists, ids, n):
+    """Output invariants: shapes/dtypes, ids in range, -1 exactly where dist is +inf and only at
+    the end of a row, rows ascending, no id twice in a row."""
+    assert dists.dtype == torch.float32 and ids.dtype == torch.int64 and dists.shape == ids.shape
+    d, i = dists.cpu(), ids.cpu()
+    assert ((i >= -1) & (i < n)).all()
+    assert torch.equal(i == -1, torch.isinf(d) & (d > 0)), "padding must be -1 with +inf"
+    assert (d[:, 1:] >= d[:, :-1]).all(), "rows must be ascending"
+    padded = i == -1
+    assert (padded[:, :-1] <= padded[:, 1:]).all(), "padding only at the end of a row"
+    for row in i.tolist():
+        found = [v for v in row if v >= 0]
+        assert len(found) == len(set(found)), "duplicate id in a row"
+
+
+@pytest.mark.parametrize("search_width", [1, 2])
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_recall_matches_cpu(points, graph_for, dtype, metric, search_width):
+    data, queries = (t.to(dtype) for t in points)
+    graph = graph_for(metric)
+    truth = exact(data, queries, K, metric)
+    data_c, graph_c, queries_c = data.cuda(), graph.cuda(), queries.cuda()
+    for list_size in (32, 64, 128, 256):
+        kw = dict(list_size=list_size, search_width=search_width, metric=metric)
+        _, cpu_ids = grnnd.search(data, graph, queries, K, **kw)
+        dists, ids = grnnd.search(data_c, graph_c, queries_c, K, **kw)
+        assert dists.device == data_c.device and ids.device == data_c.device
+        check_rows(dists, ids, N)
+        # Distances are those of the returned rows (the cosine query is normalised in its storage
+        # type on the GPU, hence the looser tolerance for 16-bit storage).
+        atol = 1e-3 if dtype == torch.float32 else 2e-2
+        ref = reference_distances(data, queries, ids, metric).float()
+        torch.testing.assert_close(dists.cpu(), ref, rtol=1e-3, atol=atol)
+        gpu, cpu = grnnd.recall(ids, truth), grnnd.recall(cpu_ids, truth)
+        assert gpu >= cpu - 0.01, f"list_size={list_size}: CUDA recall {gpu:.4f} < CPU recall {cpu:.4f} - 0.01"
+
+
+@pytest.mark.parametrize("list_size,search_width", [(512, 1), (1024, 4)])
+def test_large_lists(points, graph_for, list_size, search_width):
+    data, queries = points[0], points[1][:200]
+    graph = graph_for("l2")
+    truth = exact(data, queries, K, "l2")
+    kw = dict(list_size=list_size, search_width=search_width)
+    _, cpu_ids = grnnd.search(data, graph, queries, K, **kw)
+    dists, ids = grnnd.search(data.cuda(), graph.cuda(), queries.cuda(), K, **kw)
+    check_rows(dists, ids, N)
+    assert grnnd.recall(ids, truth) >= grnnd.recall(cpu_ids, truth) - 0.01
+
+
+def test_k_equals_list_size_256(points, graph_for):
+    data, queries = points[0], points[1][:200]
+    graph = graph_for("l2")
+    truth = exact(data, queries, 256, "l2")
+    _, cpu_ids = grnnd.search(data, graph, queries, 256, list_size=256)
+    dists, ids = grnnd.search(data.cuda(), graph.cuda(), queries.cuda(), 256, list_size=256)
+    assert ids.shape == (200, 256)
+    check_rows(dists, ids, N)
+    assert (ids >= 0).all(), "a connected 20k graph has 256 reachable nodes for every query"
+    assert grnnd.recall(ids, truth) >= grnnd.recall(cpu_ids, truth) - 0.01
+
+
+def test_filter(points, graph_for):
+    data, queries = points
+    graph = graph_for("l2")
+    allowed = torch.rand(N, generator=torch.Generator().manual_seed(1)) < 0.5
+    # Exact truth over the allowed rows only, mapped back to data ids.
+    allowed_ids = allowed.nonzero().squeeze(1)
+    truth = allowed_ids[exact(data[allowed], queries, K, "l2")]
+    dists, ids = grnnd.search(data.cuda(), graph.cuda(), queries.cuda(), K, list_size=256, filter=allowed.cuda())
+    check_rows(dists, ids, N)
+    assert (ids >= 0).all()
+    assert allowed[ids.cpu()].all(), "a filtered-out id was returned"
+    _, cpu_ids = grnnd.search(data, graph, queries, K, list_size=256, filter=allowed)
+    gpu, cpu = grnnd.recall(ids, truth), grnnd.recall(cpu_ids, truth)
+    assert gpu >= 0.9, f"filtered recall {gpu:.4f}"
+    assert gpu >= cpu - 0.01
+
+
+@pytest.mark.parametrize("share", [0.01, 0.0])
+def test_sparse_filter_pads(points, graph_for, share):
+    data, queries = points[0], points[1][:200]
+    graph = graph_for("l2")
+    allowed = torch.rand(N, generator=torch.Generator().manual_seed(2)) < share
+    dists, ids = grnnd.search(data.cuda(), graph.cuda(), queries.cuda(), K, list_size=64, filter=allowed.cuda())
+    check_rows(dists, ids, N)
+    found = ids[ids >= 0].cpu()
+    assert allowed[found].all(), "a filtered-out id was returned"
+    if share == 0.0:
+        assert (ids == -1).all() and torch.isinf(dists).all()
+
+
+def test_filter_with_large_shared_memory(points, graph_for):
+    """list_size = k = 1024 with a filter needs more than the default 48 KiB of shared memory."""
+    data, queries = points[0], points[1][:64]
+    graph = graph_for("l2")
+    allowed = torch.rand(N, generator=torch.Generator().manual_seed(3)) < 0.5
+    dists, ids = grnnd.search(data.cuda(), graph.cuda(), queries.cuda(), 1024, list_size=1024, filter=allowed.cuda())
+    check_rows(dists, ids, N)
+    assert allowed[ids[ids >= 0].cpu()].all()
+    assert (ids[:, :K] >= 0).all()
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_cuda_graph_capture(points, graph_for, metric):
+    data, graph = points[0].cuda(), graph_for(metric).cuda()
+    queries = points[1].cuda()
+    allowed = (torch.arange(N) % 3 != 0).cuda()
+    kw = dict(list_size=64, search_width=2, metric=metric, filter=allowed)
+    static_q = queries[:256].clone()
+    eager = grnnd.search(data, graph, static_q, K, **kw)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capturing stream, as torch.cuda.graph asks
+        grnnd.search(data, graph, static_q, K, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = grnnd.search(data, graph, static_q, K, **kw)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+
+    static_q.copy_(queries[256:512])  # new inputs in the same buffer, replayed
+    g.replay()
+    fresh = grnnd.search(data, graph, queries[256:512].clone(), K, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], fresh[0]) and torch.equal(captured[1], fresh[1])
+
+
+def test_non_default_stream_and_repeatability(points, graph_for):
+    data, graph, queries = points[0].cuda(), graph_for("l2").cuda(), points[1].cuda()
+    ref = grnnd.search(data, graph, queries, K, list_size=64)
+    again = grnnd.search(data, graph, queries, K, list_size=64)
+    assert torch.equal(ref[1], again[1]) and torch.equal(ref[0], again[0]), "same inputs, same results"
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        dists, ids = grnnd.search(data, graph, queries, K, list_size=64)
+    stream.synchronize()
+    assert torch.equal(ids, ref[1]) and torch.equal(dists, ref[0])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_second_device(points, graph_for):
+    data, graph, queries = points[0], graph_for("l2"), points[1][:256]
+    ref = grnnd.search(data.cuda(0), graph.cuda(0), queries.cuda(0), K, list_size=64)
+    with torch.cuda.device(0):  # the current device stays cuda:0; the op must follow its inputs
+        dists, ids = grnnd.search(data.cuda(1), graph.cuda(1), queries.cuda(1), K, list_size=64)
+    assert ids.device == torch.device("cuda", 1) and dists.device == torch.device("cuda", 1)
+    torch.cuda.synchronize(1)
+    assert torch.equal(ids.cpu(), ref[1].cpu()) and torch.equal(dists.cpu(), ref[0].cpu())
+
+
+def test_out_of_range_graph_ids(points, graph_for):
+    data, queries = points[0], points[1][:256]
+    graph = graph_for("l2").clone()
+    g = torch.Generator().manual_seed(4)
+    corrupt = torch.rand(graph.shape, generator=g) < 0.2
+    junk = torch.randint(N, 4 * N, graph.shape, generator=g, dtype=torch.int32)
+    junk[torch.rand(graph.shape, generator=g) < 0.5] *= -1
+    graph[corrupt] = junk[corrupt]
+    graph[0, 0], graph[1, 0] = torch.iinfo(torch.int32).max, torch.iinfo(torch.int32).min
+    dists, ids = grnnd.search(data.cuda(), graph.cuda(), queries.cuda(), K, list_size=64)
+    torch.cuda.synchronize()
+    check_rows(dists, ids, N)
+    assert (ids >= 0).all()
+
+
+def test_misaligned_view(points, graph_for):
+    """Rows that start 4 bytes past a 16-byte boundary (a view into a larger buffer) cannot take
+    16-byte loads as they are; the op copies them and gives the same answers."""
+    data, graph, queries = points[0].cuda(), graph_for("l2").cuda(), points[1][:256].cuda()
+    buffer = torch.empty(N * DIM + 1, device="cuda")
+    view = buffer[1:].view(N, DIM)
+    view.copy_(data)
+    assert view.data_ptr() % 16 != 0
+    ref = grnnd.search(data, graph, queries, K, list_size=64)
+    got = grnnd.search(view, graph, queries, K, list_size=64)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_odd_dim(dtype):
+    """Rows that are not a multiple of 16 bytes take the element-wise load path."""
+    x = clustered(5_000, 30, 20, seed=5).to(dtype)
+    queries = clustered(200, 30, 20, seed=6).to(dtype)
+    graph = grnnd.build(x.float(), degree=16)
+    dists, ids = grnnd.search(x.cuda(), graph.cuda(), queries.cuda(), K, list_size=64)
+    check_rows(dists, ids, 5_000)
+    torch.testing.assert_close(dists.cpu(), reference_distances(x, queries, ids, "l2").float(), rtol=1e-3, atol=1e-3)
+    truth = exact(x, queries, K, "l2")
+    _, cpu_ids = grnnd.search(x, graph, queries, K, list_size=64)
+    assert grnnd.recall(ids, truth) >= grnnd.recall(cpu_ids, truth) - 0.01
+
+
+def test_tiny_complete_graph_is_exact():
+    """With fewer rows than list_size and every edge present the search is exhaustive."""
+    n = 50
+    x = torch.randn(n, 16, generator=torch.Generator().manual_seed(7))
+    others = torch.arange(n).repeat(n, 1)
+    graph = others[others != torch.arange(n)[:, None]].view(n, n - 1).int()
+    queries = torch.randn(20, 16, generator=torch.Generator().manual_seed(8))
+    dists, ids = grnnd.search(x.cuda(), graph.cuda(), queries.cuda(), n, list_size=64)
+    ref_d, ref_i = grnnd.knn(x, queries, n)
+    assert torch.equal(ids.cpu(), ref_i)
+    torch.testing.assert_close(dists.cpu(), ref_d, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_arguments_raise(points, graph_for):
+    data, graph, queries = points[0][:1000].cuda(), graph_for("l2")[:1000].cuda(), points[1][:4].cuda()
+    with pytest.raises(ValueError, match="list_size"):
+        grnnd.search(data, graph, queries, K, list_size=2048)
+    with pytest.raises(ValueError, match="k"):
+        grnnd.search(data, graph, queries, 65, list_size=64)
+    with pytest.raises(ValueError, match="device"):
+        grnnd.search(data, graph.cpu(), queries, K)
