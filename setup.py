@@ -2,11 +2,10 @@
 
 Install after torch, without build isolation (an isolated build would pull a second torch):
     pip install --no-build-isolation -e .
-Environment: GRNND_FORCE_CPU=1 skips the CUDA kernels; GRNND_PORTABLE=1 drops -march=native.
+Environment: GRNND_FORCE_CPU=1 skips the CUDA kernels.
 """
 import glob
 import os
-import platform
 
 import torch
 from setuptools import setup
@@ -16,10 +15,11 @@ here = os.path.dirname(os.path.abspath(__file__))
 with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and not os.environ.get("GRNND_FORCE_CPU")
 
 sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-cxx_flags = ["-O3", "-std=c++20"]
-if platform.machine() in ("x86_64", "AMD64") and not os.environ.get("GRNND_PORTABLE"):
-    cxx_flags.append("-march=native")  # the package is compiled where it is installed
-extra_compile_args = {"cxx": cxx_flags}
+# No -march flags: with AVX enabled translation-unit wide, GCC may assume thrown exception
+# objects are 32/64-byte aligned while the C++ runtime allocates them 16-byte aligned, and a
+# TORCH_CHECK failure then crashes. Only the distance loops get wider instructions
+# (csrc/cpu/vectors_cpu.h, function multi-versioning).
+extra_compile_args = {"cxx": ["-O3", "-std=c++20"]}
 define_macros = []
 if with_cuda:
     sources += sorted(glob.glob("csrc/cuda/*.cu"))

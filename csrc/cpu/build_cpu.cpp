@@ -136,6 +136,7 @@ void update_vertex(const VectorSet& vectors, Pools& pools, int read, int64_t v, 
   const uint32_t* slot = pools.slots(read, v);
   const float* dist = pools.dists(read, v);
   visit_order(pools, read, v, round, p, order, keys);
+  for (int i = 0; i < pools.count(read, v); ++i) vectors.prefetch(slot_id(slot[i]));
   kept.clear();
   for (const int i : order) {
     const int32_t a = slot_id(slot[i]);
@@ -189,8 +190,7 @@ void sample_reverse_edges(int64_t n, Pools& pools, int read, const BuildParams& 
 at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_degree, int64_t pool_size,
                      int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
                      c10::string_view metric, int64_t seed) {
-  check_points(data, "data");
-  check_finite(data, "data");
+  check_build_inputs(data);
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
                                           std::string(update_order), std::string(metric), seed);
   const int64_t n = data.size(0);

@@ -26,13 +26,7 @@ int64_t rerank_margin(int64_t k) { return std::max<int64_t>(8, k / 4); }
 
 std::tuple<at::Tensor, at::Tensor> knn_cpu(const at::Tensor& data, const at::Tensor& queries, int64_t k,
                                            c10::string_view metric_name) {
-  check_points(data, "data");
-  check_points(queries, "queries");
-  check_same_device(data, "data", queries, "queries");
-  check_same_dim(data, queries);
-  check_k(k, data.size(0), "number of data rows");
-  check_finite(data, "data");
-  check_finite(queries, "queries");
+  check_knn_inputs(data, queries, k);
   const Metric metric = parse_metric(std::string(metric_name));
 
   const int64_t n = data.size(0), nq = queries.size(0);

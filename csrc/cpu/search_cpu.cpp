@@ -72,14 +72,7 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const at::Tensor& data, const at::
                                               const at::Tensor& queries, int64_t k, int64_t list_size,
                                               int64_t search_width, int64_t max_iters, c10::string_view metric,
                                               int64_t seed, const c10::optional<at::Tensor>& filter) {
-  check_points(data, "data");
-  check_points(queries, "queries");
-  check_same_device(data, "data", queries, "queries");
-  check_same_dim(data, queries);
-  check_graph(graph, data, /*check_ids=*/true);
-  check_filter(filter, data);
-  check_k(k, data.size(0), "number of data rows");
-  check_finite(queries, "queries");
+  check_search_inputs(data, graph, queries, k, filter, /*read_contents=*/true);
   const SearchParams p = make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed);
 
   const int64_t n = data.size(0), nq = queries.size(0), degree = graph.size(1);
@@ -99,7 +92,7 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const at::Tensor& data, const at::
   at::parallel_for(0, nq, 16, [&](int64_t begin, int64_t end) {
     Visited visited(n);
     SortedList list(p.list_size), results(p.k);
-    std::vector<int32_t> parents;
+    std::vector<int32_t> parents, fresh;
     for (int64_t qi = begin; qi < end; ++qi) {
       const float* query = q.data_ptr<float>() + qi * q.size(1);
       visited.next_query();
@@ -112,11 +105,16 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const at::Tensor& data, const at::
         list.insert({d, id, false});
         if (allowed != nullptr && allowed[id]) results.insert({d, id, true});
       };
+      fresh.clear();
       for (int e = 0; e < entries; ++e) {
         const uint32_t r = random_u32(p.seed, Stream::kEntryPoints, static_cast<uint32_t>(qi), 0, e);
         const int32_t id = static_cast<int32_t>(random_below(r, static_cast<uint32_t>(n)));
-        if (!visited.test_and_set(id)) consider(id);
+        if (!visited.test_and_set(id)) {
+          vectors.prefetch(id);
+          fresh.push_back(id);
+        }
       }
+      for (const int32_t id : fresh) consider(id);
       for (int iter = 0; p.max_iters == 0 || iter < p.max_iters; ++iter) {
         parents.clear();
         for (Candidate& c : list.items()) {
@@ -127,12 +125,17 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const at::Tensor& data, const at::
           }
         }
         if (parents.empty()) break;
+        fresh.clear();
         for (const int32_t parent : parents) {
           const int32_t* row = adjacency + static_cast<int64_t>(parent) * degree;
           for (int64_t j = 0; j < degree && row[j] >= 0; ++j) {
-            if (!visited.test_and_set(row[j])) consider(row[j]);
+            if (!visited.test_and_set(row[j])) {
+              vectors.prefetch(row[j]);
+              fresh.push_back(row[j]);
+            }
           }
         }
+        for (const int32_t id : fresh) consider(id);
       }
       const std::vector<Candidate>& best = allowed != nullptr ? results.items() : list.items();
       const int found = std::min<int>(p.k, static_cast<int>(best.size()));

@@ -424,16 +424,12 @@ int64_t free_device_bytes(c10::DeviceIndex device) {
 at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_degree, int64_t pool_size,
                       int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
                       c10::string_view metric, int64_t seed) {
-  check_points(data, "data");
+  check_build_inputs(data);
   const c10::cuda::CUDAGuard guard(data.device());
-  check_finite(data, "data");
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
                                           std::string(update_order), std::string(metric), seed);
   const int64_t n = data.size(0);
-  at::Tensor x = prepare_vectors(data, p.metric);
-  // team_distance's 16-byte loads need a 16-byte aligned base; a view into a larger tensor
-  // may start anywhere, so such input is copied once.
-  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone(at::MemoryFormat::Contiguous);
+  const at::Tensor x = prepare_vectors(data, p.metric);
   // Inner product is built on lifted l2 exactly as on the CPU (params.h, lifts_inner_product).
   at::Tensor lift;
   if (lifts_inner_product(p.metric)) {

@@ -171,7 +171,10 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
                                    float* cand_d, uint32_t* cand_i) {
   const int tid = threadIdx.x, lane = tid % kWarpSize;
   const int n = s.n_cand;
-  if (n == 0) return;  // block-uniform; nothing to merge, and the lists are unchanged since the last barrier
+  if (n == 0) {  // block-uniform: nothing to merge
+    __syncthreads();  // every thread has read s.n_cand before warp 0 resets it for the next round
+    return;
+  }
   const int n_sort = next_pow2(n);  // <= cand_cap, which is a power of two >= n
 
   // Team-cooperative distances (seed 002: warp-cooperative distance with 16-byte loads; the
@@ -420,25 +423,14 @@ void launch(const at::Tensor& x, const at::Tensor& q, const SearchArgs& a, int t
   check_launch();
 }
 
-// 16-byte loads need 16-byte aligned rows: a view that starts mid-allocation gets a copy.
-at::Tensor aligned(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
-}
-
 std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at::Tensor& graph,
                                                const at::Tensor& queries, int64_t k, int64_t list_size,
                                                int64_t search_width, int64_t max_iters, c10::string_view metric,
                                                int64_t seed, const c10::optional<at::Tensor>& filter) {
-  // As search_cpu, minus the checks that read tensor contents (check_finite, the graph id scan):
-  // on CUDA they would synchronise the host and break CUDA-graph capture; the kernel instead
-  // skips out-of-range graph ids and orders NaN distances last.
-  check_points(data, "data");
-  check_points(queries, "queries");
-  check_same_device(data, "data", queries, "queries");
-  check_same_dim(data, queries);
-  check_graph(graph, data, /*check_ids=*/false);
-  check_filter(filter, data);
-  check_k(k, data.size(0), "number of data rows");
+  // Without the checks that read tensor contents (finite queries, graph ids in range): on CUDA
+  // they would synchronise the host and break CUDA-graph capture; the kernel instead skips
+  // out-of-range graph ids and orders NaN distances last.
+  check_search_inputs(data, graph, queries, k, filter, /*read_contents=*/false);
   const SearchParams p = make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed);
 
   const c10::cuda::CUDAGuard guard(data.device());
@@ -446,8 +438,8 @@ std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at:
 
   // Cosine: only the queries are normalised; the data rows' norms are folded into the distance
   // (team_cosine_to_unit), so no [N, D] copy is made per call.
-  const at::Tensor x = aligned(prepare_vectors(data, p.metric == Metric::kCosine ? Metric::kL2 : p.metric));
-  const at::Tensor q = aligned(prepare_vectors(queries.to(x.scalar_type()), p.metric));
+  const at::Tensor x = prepare_vectors(data, p.metric == Metric::kCosine ? Metric::kL2 : p.metric);
+  const at::Tensor q = prepare_vectors(queries.to(x.scalar_type()), p.metric);
   const at::Tensor g = graph.contiguous();
   const at::Tensor allowed = filter.has_value() ? filter->contiguous() : at::Tensor();
 

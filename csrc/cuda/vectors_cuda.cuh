@@ -20,14 +20,17 @@ constexpr int kWarpSize = 32;
 
 // Storage the kernels read directly: float32, float16, bfloat16. float64 is narrowed to
 // float32 once (the search itself is float32 anyway); cosine rows are normalised once, in
-// their storage type, so cosine becomes 1 - <x, y>.
+// their storage type, so cosine becomes 1 - <x, y>. The result is contiguous and starts on a
+// 16-byte boundary, as team_distance's 16-byte loads need (a view into a larger tensor may
+// start anywhere, and is then copied).
 inline at::Tensor prepare_vectors(const at::Tensor& x, Metric metric) {
   at::Tensor out = x.scalar_type() == at::kDouble ? x.to(at::kFloat) : x;
   if (metric == Metric::kCosine) {
     const at::Tensor norms = out.to(at::kFloat).norm(2, 1, true).clamp_min(1e-30);
     out = (out.to(at::kFloat) / norms).to(out.scalar_type());
   }
-  return out.contiguous();
+  out = out.contiguous();
+  return reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 ? out : out.clone();
 }
 
 // Runs `__VA_ARGS__` with `scalar_t` bound to the storage type of a prepared tensor.

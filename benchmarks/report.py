@@ -1,0 +1,122 @@
+"""Benchmark outputs: one JSON with every number, a markdown table, and a recall-vs-QPS plot.
+
+    from benchmarks.report import machine, write
+    write("benchmarks/results", "cpu_text100k_t2", {"machine": machine(threads=2), ...})
+
+``results`` is a dict with at least "machine" and "methods": a list of
+{"name", "build_s", "params", "curve": [{"param", "recall", "qps"}, ...]}; any extra keys are
+kept in the JSON.
+"""
+import json
+import math
+import os
+import platform
+import time
+
+import torch
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine(threads: int, cuda: bool = False) -> dict:
+    """What the numbers were measured on: CPU model, cores, threads used, GPU when CUDA is used."""
+    info = {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "threads": threads,
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        import faiss
+        info["faiss"] = faiss.__version__
+    except ImportError:
+        pass
+    try:
+        info["loadavg_start"] = open("/proc/loadavg").read().split()[:3]
+    except OSError:
+        pass
+    if cuda and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def machine_line(m: dict) -> str:
+    s = f"{m['cpu']} ({m['cpu_count']} cores), {m['threads']} threads"
+    if "gpu" in m:
+        s += f", GPU {m['gpu']} (CUDA {m.get('cuda')})"
+    return s
+
+
+def qps_at_recall(curve: list, target: float) -> float:
+    """QPS where the curve crosses ``target`` recall, log-linear between the bracketing points;
+    NaN when the curve never reaches it. Takes the best QPS among points that reach it too."""
+    pts = sorted(curve, key=lambda c: c["recall"])
+    best = max((c["qps"] for c in pts if c["recall"] >= target), default=float("nan"))
+    for lo, hi in zip(pts, pts[1:]):
+        if lo["recall"] < target <= hi["recall"]:
+            t = (target - lo["recall"]) / (hi["recall"] - lo["recall"])
+            interp = math.exp(math.log(lo["qps"]) * (1 - t) + math.log(hi["qps"]) * t)
+            return max(interp, best) if best == best else interp
+    return best
+
+
+def markdown(results: dict, target: float = 0.95) -> str:
+    m = results["machine"]
+    lines = [f"# {results.get('title', 'benchmark')}", "",
+             f"Machine: {machine_line(m)}. Data: {results.get('data', '?')}.", ""]
+    if results.get("note"):
+        lines += [results["note"], ""]
+    lines += [f"| method | build s | QPS @ recall@10 {target} | max recall@10 |", "|---|---:|---:|---:|"]
+    for meth in results["methods"]:
+        q = qps_at_recall(meth["curve"], target)
+        lines.append(f"| {meth['name']} | {meth['build_s']:.2f} | {'n/a' if q != q else f'{q:,.0f}'} | "
+                     f"{max(c['recall'] for c in meth['curve']):.4f} |")
+    lines += ["", "Curves (search parameter: recall@10, QPS):", ""]
+    for meth in results["methods"]:
+        pts = ", ".join(f"{c['param']}: {c['recall']:.4f} @ {c['qps']:,.0f}" for c in meth["curve"])
+        lines.append(f"- **{meth['name']}** ({meth.get('sweep', 'param')}): {pts}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for meth in results["methods"]:
+        c = sorted(meth["curve"], key=lambda c: c["recall"])
+        ax.plot([p["recall"] for p in c], [p["qps"] for p in c], marker="o", ms=3,
+                label=f"{meth['name']} (build {meth['build_s']:.1f} s)")
+    ax.set_yscale("log")
+    ax.set_xlabel("recall@10")
+    ax.set_ylabel("queries per second")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(f"{results.get('data', '')}\n{machine_line(results['machine'])}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(out_dir: str, name: str, results: dict, target: float = 0.95) -> list:
+    """Write out_dir/name.{json,md,png}; returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, name)
+    try:
+        results["machine"]["loadavg_end"] = open("/proc/loadavg").read().split()[:3]
+    except OSError:
+        pass
+    for meth in results["methods"]:
+        meth[f"qps_at_recall_{target}"] = qps_at_recall(meth["curve"], target)
+    with open(base + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(results, target))
+    plot(results, base + ".png")
+    return [base + ".json", base + ".md", base + ".png"]

@@ -1,0 +1,95 @@
+#include "checks.h"
+
+#include <cstdint>
+#include <limits>
+
+namespace grnnd {
+
+void check_points(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == 2, name, ": expected a 2-D tensor [n, dim], got ", t.dim(), "-D with shape ",
+                    t.sizes());
+  const auto type = t.scalar_type();
+  TORCH_CHECK_TYPE(type == at::kFloat || type == at::kHalf || type == at::kBFloat16 || type == at::kDouble, name,
+                   ": expected float32, float16, bfloat16 or float64, got ", type);
+  TORCH_CHECK_VALUE(t.size(0) >= 1, name, ": expected at least one row, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.size(1) >= 1, name, ": expected at least one column, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.size(0) < std::numeric_limits<int32_t>::max(), name,
+                    ": expected fewer than 2^31 - 1 rows (ids are int32), got ", t.size(0));
+}
+
+void check_finite(const at::Tensor& t, const char* name) {
+  const at::Tensor bad_rows = at::logical_not(at::isfinite(t)).any(1);
+  if (bad_rows.any().item<bool>()) {
+    const int64_t row = bad_rows.nonzero().select(1, 0)[0].item<int64_t>();
+    TORCH_CHECK_VALUE(false, name, ": expected finite values, row ", row, " holds NaN or Inf");
+  }
+}
+
+void check_same_device(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
+  TORCH_CHECK_VALUE(a.device() == b.device(), a_name, " is on ", a.device(), " but ", b_name, " is on ", b.device(),
+                    "; move them to the same device");
+}
+
+void check_same_dim(const at::Tensor& data, const at::Tensor& queries) {
+  TORCH_CHECK_VALUE(queries.size(1) == data.size(1), "queries: expected dim ", data.size(1),
+                    " to match data, got ", queries.size(1));
+}
+
+void check_k(int64_t k, int64_t n, const char* what) {
+  TORCH_CHECK_VALUE(k >= 1 && k <= n, "k: expected 1 <= k <= ", n, " (", what, "), got ", k);
+}
+
+void check_graph(const at::Tensor& graph, const at::Tensor& data, bool check_ids) {
+  TORCH_CHECK_VALUE(graph.dim() == 2, "graph: expected a 2-D tensor [n, degree], got shape ", graph.sizes());
+  TORCH_CHECK_TYPE(graph.scalar_type() == at::kInt, "graph: expected int32 (as build returns), got ",
+                   graph.scalar_type());
+  TORCH_CHECK_VALUE(graph.size(0) == data.size(0), "graph: has ", graph.size(0), " rows but data has ", data.size(0),
+                    "; was it built on other data?");
+  TORCH_CHECK_VALUE(graph.size(1) >= 1, "graph: expected at least one column, got shape ", graph.sizes());
+  check_same_device(data, "data", graph, "graph");
+  if (check_ids && graph.numel() > 0) {
+    const auto [lo, hi] = at::aminmax(graph);
+    const int64_t min_id = lo.item<int64_t>(), max_id = hi.item<int64_t>();
+    TORCH_CHECK_VALUE(min_id >= -1 && max_id < data.size(0), "graph: ids must lie in [0, ", data.size(0),
+                      ") with -1 as padding, found ", min_id < -1 ? min_id : max_id,
+                      "; was it built on other data?");
+  }
+}
+
+void check_filter(const c10::optional<at::Tensor>& filter, const at::Tensor& data) {
+  if (!filter.has_value()) return;
+  const at::Tensor& f = *filter;
+  TORCH_CHECK_TYPE(f.scalar_type() == at::kBool, "filter: expected a bool tensor, got ", f.scalar_type());
+  TORCH_CHECK_VALUE(f.dim() == 1 && f.size(0) == data.size(0), "filter: expected shape [", data.size(0),
+                    "] (one flag per data row), got ", f.sizes());
+  check_same_device(data, "data", f, "filter");
+}
+
+void check_build_inputs(const at::Tensor& data) {
+  check_points(data, "data");
+  check_finite(data, "data");
+}
+
+void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries, int64_t k,
+                         const c10::optional<at::Tensor>& filter, bool read_contents) {
+  check_points(data, "data");
+  check_points(queries, "queries");
+  check_same_device(data, "data", queries, "queries");
+  check_same_dim(data, queries);
+  check_graph(graph, data, /*check_ids=*/read_contents);
+  check_filter(filter, data);
+  check_k(k, data.size(0), "number of data rows");
+  if (read_contents) check_finite(queries, "queries");
+}
+
+void check_knn_inputs(const at::Tensor& data, const at::Tensor& queries, int64_t k) {
+  check_points(data, "data");
+  check_points(queries, "queries");
+  check_same_device(data, "data", queries, "queries");
+  check_same_dim(data, queries);
+  check_k(k, data.size(0), "number of data rows");
+  check_finite(data, "data");
+  check_finite(queries, "queries");
+}
+
+}  // namespace grnnd

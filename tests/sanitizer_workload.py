@@ -1,0 +1,27 @@
+"""A small CUDA workload for compute-sanitizer: every kernel path once, tiny sizes.
+
+    compute-sanitizer --tool memcheck python tests/sanitizer_workload.py
+    compute-sanitizer --tool racecheck python tests/sanitizer_workload.py
+"""
+import torch
+
+import torch_grnnd as grnnd
+
+
+def main():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for dtype, metric, dim in [(torch.float32, "l2", 32), (torch.float16, "cosine", 64), (torch.bfloat16, "ip", 30),
+                               (torch.float32, "l2", 3)]:
+        data = torch.randn(1500, dim, generator=g, device="cuda").to(dtype)
+        graph = grnnd.build(data, metric=metric, outer_iters=2, inner_iters=2)
+        for width in (1, 2):
+            grnnd.search(data, graph, data[:64], 10, list_size=64, search_width=width, metric=metric)
+        allowed = torch.rand(1500, generator=g, device="cuda") < 0.3
+        grnnd.search(data, graph, data[:16], 10, list_size=256, metric=metric, filter=allowed)
+    grnnd.build(torch.randn(1500, 16, device="cuda"), update_order="ascending", outer_iters=1, inner_iters=2)
+    torch.cuda.synchronize()
+    print("sanitizer workload done")
+
+
+if __name__ == "__main__":
+    main()
