@@ -76,6 +76,17 @@ def markdown(results: dict, target: float = 0.95) -> str:
         q = qps_at_recall(meth["curve"], target)
         lines.append(f"| {meth['name']} | {meth['build_s']:.2f} | {'n/a' if q != q else f'{q:,.0f}'} | "
                      f"{max(c['recall'] for c in meth['curve']):.4f} |")
+    if "build" in results:
+        b = results["build"]
+        lines += ["", f"torch_grnnd build: {b['seconds']:.3f} s, peak extra GPU memory {b['peak_extra_bytes'] / 2**20:,.0f} MiB "
+                  f"(data {b['data_bytes'] / 2**20:,.0f} MiB), mean out-degree {b['degree_mean']:.1f}, params {b['params'] or 'defaults'}."]
+    if "exact_knn_graph_s" in results:
+        lines += ["", f"Plain-PyTorch exact k-NN graph of all points (float16 matmul + topk): {results['exact_knn_graph_s']:.2f} s."]
+    if results.get("ablation"):
+        lines += ["", "Ablation (seed 000, Figures 7-8): build time and recall@10 of the CUDA search at list 64.", "",
+                  "| update order | reverse_ratio | build s | recall@10 |", "|---|---:|---:|---:|"]
+        lines += [f"| {a['update_order']} | {a['reverse_ratio']} | {a['build_s']:.3f} | {a['recall_list64']:.4f} |"
+                  for a in results["ablation"]]
     lines += ["", "Curves (search parameter: recall@10, QPS):", ""]
     for meth in results["methods"]:
         pts = ", ".join(f"{c['param']}: {c['recall']:.4f} @ {c['qps']:,.0f}" for c in meth["curve"])

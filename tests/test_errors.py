@@ -42,6 +42,12 @@ def test_non_finite_rows_are_named(bad):
         grnnd.search(X, G, queries, 2)
 
 
+def test_large_finite_values_are_accepted():
+    # Row sums of these overflow float32; the values themselves are finite.
+    huge = torch.full((20, 3), 3e38).to(torch.bfloat16)
+    assert grnnd.build(huge, degree=4, pool_size=8, initial_degree=4).shape == (20, 4)
+
+
 @pytest.mark.parametrize(
     "params, match",
     [
