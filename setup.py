@@ -15,11 +15,16 @@ here = os.path.dirname(os.path.abspath(__file__))
 with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and not os.environ.get("GRNND_FORCE_CPU")
 
 sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-# No -march flags: with AVX enabled translation-unit wide, GCC may assume thrown exception
-# objects are 32/64-byte aligned while the C++ runtime allocates them 16-byte aligned, and a
-# TORCH_CHECK failure then crashes. Only the distance loops get wider instructions
-# (csrc/cpu/vectors_cpu.h, function multi-versioning).
+# No -march flags: the graph loops wait on memory, not arithmetic (prefetching helped, AVX2/
+# AVX-512 builds of the distance loops did not measurably), and a baseline build runs anywhere.
 extra_compile_args = {"cxx": ["-O3", "-std=c++20"]}
+extra_link_args = []
+if torch.backends.openmp.is_available():
+    # at::parallel_for is a header template that expands to `#pragma omp parallel` in our own
+    # translation units: without -fopenmp the CPU kernels silently run on one thread. Linking
+    # -fopenmp resolves to the libgomp torch already loaded.
+    extra_compile_args["cxx"].append("-fopenmp")
+    extra_link_args.append("-fopenmp")
 define_macros = []
 if with_cuda:
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
@@ -35,6 +40,7 @@ setup(
             include_dirs=[os.path.join(here, "csrc")],
             define_macros=define_macros,
             extra_compile_args=extra_compile_args,
+            extra_link_args=extra_link_args,
         )
     ],
     cmdclass={"build_ext": BuildExtension},

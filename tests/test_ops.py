@@ -76,3 +76,17 @@ def test_recall_helper():
     assert grnnd.recall(torch.tensor([[4, 3]]), torch.tensor([[3, 4, 9]]), k=2) == 1.0
     with pytest.raises(ValueError):
         grnnd.recall(torch.tensor([[1]]), torch.tensor([[1, 2]]), k=2)
+
+
+def test_cpu_kernels_are_built_with_openmp():
+    # at::parallel_for expands to `#pragma omp parallel` inside the extension: without -fopenmp
+    # the CPU kernels would quietly run on one thread.
+    import shutil
+    import subprocess
+
+    if not torch.backends.openmp.is_available():
+        pytest.skip("this torch has no OpenMP")
+    if shutil.which("readelf") is None:
+        pytest.skip("readelf not available")
+    dynamic = subprocess.run(["readelf", "-d", grnnd._C.__file__], capture_output=True, text=True).stdout
+    assert "libgomp" in dynamic

@@ -1,0 +1,14 @@
+"""The runnable examples in the docstrings run and print what they claim."""
+import doctest
+
+import pytest
+
+import torch_grnnd
+from torch_grnnd import eval as eval_module, graph, index, ops
+
+
+@pytest.mark.parametrize("module", [ops, index, graph, eval_module], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, extraglobs={"grnnd": torch_grnnd}, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{module.__name__} has no examples"
+    assert result.failed == 0
