@@ -5,17 +5,18 @@ import pytest
 import torch
 
 
-def clustered(n: int, dim: int, clusters: int, seed: int = 0) -> torch.Tensor:
-    """Points around `clusters` Gaussian centres (unit noise, centres spread by 3)."""
+def clustered(n: int, dim: int, clusters: int, seed: int = 0, spread: float = 3.0, noise: float = 1.0) -> torch.Tensor:
+    """Points around `clusters` Gaussian centres: centres ~ N(0, spread^2), points ~ N(centre, noise^2)."""
     g = torch.Generator().manual_seed(seed)
-    centres = torch.randn(clusters, dim, generator=g) * 3
-    return centres[torch.randint(clusters, (n,), generator=g)] + torch.randn(n, dim, generator=g)
+    centres = torch.randn(clusters, dim, generator=g) * spread
+    return centres[torch.randint(clusters, (n,), generator=g)] + torch.randn(n, dim, generator=g) * noise
 
 
 def exact_neighbours(data: torch.Tensor, queries: torch.Tensor, k: int, metric: str = "l2"):
-    """faiss-cpu IndexFlat results as (dists, ids) in this library's distance convention."""
-    x = np.ascontiguousarray(data.float().numpy())
-    q = np.ascontiguousarray(queries.float().numpy())
+    """faiss-cpu IndexFlat results as (dists, ids) in this library's distance convention, over
+    float32 copies of the values stored (whatever their dtype and device)."""
+    x = np.ascontiguousarray(data.float().cpu().numpy())
+    q = np.ascontiguousarray(queries.float().cpu().numpy())
     if metric == "cosine":
         x = x / np.linalg.norm(x, axis=1, keepdims=True)
         q = q / np.linalg.norm(q, axis=1, keepdims=True)

@@ -4,24 +4,21 @@ Skipped without a GPU. The CUDA kernel draws the same random numbers as the CPU 
 (csrc/philox.h), so the parts of a build that do not depend on the timing of concurrent
 inserts give the same graph on both, and the rest must give graphs of the same quality.
 """
-import numpy as np
+import functools
+
 import pytest
 import torch
 
 import torch_grnnd as grnnd
+from conftest import clustered as _clustered, exact_neighbours
+
+clustered = functools.partial(_clustered, spread=4.0)  # this file's data: centres spread by 4
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 METRICS = ["l2", "ip", "cosine"]
 N, DIM, CLUSTERS, QUERIES = 20_000, 64, 100, 1_000
-
-
-def clustered(n, dim, clusters, seed):
-    g = torch.Generator().manual_seed(seed)
-    centers = torch.randn(clusters, dim, generator=g) * 4
-    labels = torch.randint(clusters, (n,), generator=g)
-    return centers[labels] + torch.randn(n, dim, generator=g)
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +29,7 @@ def dataset():
 
 def exact_ids(data, queries, metric, k=10):
     """Exact k-NN ids from faiss-cpu, in float32 over the values the build saw."""
-    faiss = pytest.importorskip("faiss")
-    d32 = data.float().cpu().numpy()
-    q32 = queries.float().cpu().numpy()
-    if metric == "l2":
-        index = faiss.IndexFlatL2(d32.shape[1])
-    else:
-        if metric == "cosine":
-            d32 = d32 / np.linalg.norm(d32, axis=1, keepdims=True)
-            q32 = q32 / np.linalg.norm(q32, axis=1, keepdims=True)
-        index = faiss.IndexFlatIP(d32.shape[1])
-    index.add(np.ascontiguousarray(d32))
-    return torch.from_numpy(index.search(np.ascontiguousarray(q32), k)[1])
+    return exact_neighbours(data, queries, k, metric)[1]
 
 
 def recall_at_10(data, graph, queries, metric):

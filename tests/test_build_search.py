@@ -77,7 +77,9 @@ def test_other_metrics_reach_recall(metric):
     graph = grnnd.build(data, metric=metric)
     check_graph_invariants(graph, data, 32, metric)
     _, truth = exact_neighbours(data, queries, 10, metric)
-    _, ids = grnnd.search(data, graph, queries, 10, metric=metric, list_size=128)
+    # Maximum inner product is the harder search (this set's ip recall at list 128 is about 0.95,
+    # at 192 about 0.98), so the list is larger than for l2.
+    _, ids = grnnd.search(data, graph, queries, 10, metric=metric, list_size=192)
     assert grnnd.recall(ids, truth) >= 0.95
 
 

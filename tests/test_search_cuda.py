@@ -4,34 +4,26 @@ The graphs are built on the CPU, so these tests measure the search alone. The CU
 the same graph from the same random entry points as the CPU kernel; only float summation order
 differs, so its recall must match the CPU's at the same settings (within 0.01).
 """
-import numpy as np
+import functools
+
 import pytest
 import torch
 
 import torch_grnnd as grnnd
+from conftest import clustered as _clustered, exact_neighbours
+
+# Gaussian clusters whose centres sit close together relative to their spread, so that graph
+# search is far from trivial (CPU recall@10 about 0.67 at list 32, 0.97 at list 256).
+clustered = functools.partial(_clustered, spread=0.25, noise=0.5)
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-try:
-    import faiss
-except ImportError:  # the exact CPU kernel stands in; faiss is in the [test] extra
-    faiss = None
-
 N, DIM, NQ, K = 20_000, 64, 1_000, 10
 METRICS = ["l2", "ip", "cosine"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def clustered(n, dim, clusters, seed=0):
-    """Gaussian clusters whose centres sit close together relative to their spread, so that
-    graph search is far from trivial (CPU recall@10 about 0.67 at list 32, 0.97 at list 256)."""
-    g = torch.Generator().manual_seed(seed)
-    centres = 0.25 * torch.randn(clusters, dim, generator=g)
-    labels = torch.randint(0, clusters, (n,), generator=g)
-    return centres[labels] + 0.5 * torch.randn(n, dim, generator=g)
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +47,7 @@ def graph_for(points):
 
 def exact(data, queries, k, metric):
     """Exact k-NN ids (int64 [Q, k]) of float32 copies of the (possibly rounded) rows."""
-    x, q = data.float().cpu(), queries.float().cpu()
-    if metric == "cosine":
-        x = torch.nn.functional.normalize(x, dim=1)
-        q = torch.nn.functional.normalize(q, dim=1)
-    if faiss is None:
-        return grnnd.knn(x, q, k, metric="l2" if metric == "l2" else "ip")[1]
-    index = faiss.IndexFlatL2(x.shape[1]) if metric == "l2" else faiss.IndexFlatIP(x.shape[1])
-    index.add(np.ascontiguousarray(x.numpy()))
-    return torch.from_numpy(index.search(np.ascontiguousarray(q.numpy()), k)[1]).long()
+    return exact_neighbours(data, queries, k, metric)[1]
 
 
 def reference_distances(data, queries, ids, metric):
