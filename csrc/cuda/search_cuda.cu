@@ -109,6 +109,28 @@ __device__ void bitonic(float* d, uint32_t* id, int n) {
   __syncthreads();
 }
 
+// Merges the sorted src[0, n_src) into the sorted dst[0, cap) (cap a power of two) and keeps
+// its best `keep` entries, the rest emptied. Comparing dst[j] with src[cap-1-j] is the first
+// half-cleaner of a bitonic merge of dst ++ reversed src; its lower half holds the cap smallest
+// keys as a bitonic sequence, which a log2(cap)-stage merge then sorts. Called by the whole
+// block after a __syncthreads that published src; dst is final for all threads at the next one.
+__device__ void merge_sorted(float* dst_d, uint32_t* dst_i, int cap, int keep, const float* src_d,
+                             const uint32_t* src_i, int n_src) {
+  for (int j = threadIdx.x; j < cap; j += blockDim.x) {
+    const int r = cap - 1 - j;
+    if (r < n_src && key_less(src_d[r], src_i[r], dst_d[j], dst_i[j])) {
+      dst_d[j] = src_d[r];
+      dst_i[j] = src_i[r];
+    }
+  }
+  __syncthreads();
+  bitonic<true>(dst_d, dst_i, cap);
+  for (int j = keep + threadIdx.x; j < cap; j += blockDim.x) {
+    dst_d[j] = std::numeric_limits<float>::infinity();
+    dst_i[j] = kEmptyId;
+  }
+}
+
 // Visited set: open addressing with linear probing over 2^bits slots. Returns true when `key`
 // was not there and this call inserted it. Every probe is an atomicCAS (no plain read racing
 // another thread's insert), so of concurrent inserts of one key exactly one wins. Terminates
@@ -202,24 +224,8 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
   __syncthreads();
   bitonic<false>(cand_d, cand_i, n_sort);
 
-  // Top-M of list (sorted, M) and candidates (sorted): comparing list[j] with cand[M-1-j] is the
-  // first half-cleaner of a bitonic merge of list ++ reversed candidates; its lower half holds
-  // the M smallest keys as a bitonic sequence, which a log2(M)-stage merge then sorts.
-  const int m = a.list_cap;
-  for (int j = tid; j < m; j += blockDim.x) {
-    const int r = m - 1 - j;
-    if (r < n_sort && key_less(cand_d[r], cand_i[r], list_d[j], list_i[j])) {
-      list_d[j] = cand_d[r];
-      list_i[j] = cand_i[r];
-    }
-  }
-  __syncthreads();
-  bitonic<true>(list_d, list_i, m);
   // Keep exactly list_size entries, as the CPU list does (M only rounds the storage up).
-  for (int j = a.list_size + tid; j < m; j += blockDim.x) {
-    list_d[j] = std::numeric_limits<float>::infinity();
-    list_i[j] = kEmptyId;
-  }
+  merge_sorted(list_d, list_i, a.list_cap, a.list_size, cand_d, cand_i, n_sort);
 
   if (a.allowed != nullptr) {
     // Every computed node competes for the results if the filter allows it (as on the CPU).
@@ -250,20 +256,7 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
       if (lane == 0) s.n_allowed = min(kept, a.k);
     }
     __syncthreads();
-    const int kept = s.n_allowed, rc = a.result_cap;
-    for (int j = tid; j < rc; j += blockDim.x) {
-      const int r = rc - 1 - j;
-      if (r < kept && key_less(cand_d[r], cand_i[r], res_d[j], res_i[j])) {
-        res_d[j] = cand_d[r];
-        res_i[j] = cand_i[r];
-      }
-    }
-    __syncthreads();
-    bitonic<true>(res_d, res_i, rc);
-    for (int j = a.k + tid; j < rc; j += blockDim.x) {
-      res_d[j] = std::numeric_limits<float>::infinity();
-      res_i[j] = kEmptyId;
-    }
+    merge_sorted(res_d, res_i, a.result_cap, a.k, cand_d, cand_i, s.n_allowed);
   }
   __syncthreads();
 }
