@@ -4,9 +4,16 @@
 
 #include <torch/library.h>
 
-// Importing torch_grnnd._C loads this library, which runs the registrations below.
+#include "progress.h"
+
+// Importing torch_grnnd._C loads this library, which runs the registrations below. The module
+// itself only carries the hook for build progress (torch_grnnd/progress.py).
 extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static PyMethodDef methods[] = {
+      {"_set_progress_callback", grnnd::set_progress_callback, METH_O,
+       "Install (or with None remove) the calling thread's build progress callback(done, total)."},
+      {nullptr, nullptr, 0, nullptr}};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }
 
@@ -16,9 +23,11 @@ TORCH_LIBRARY(grnnd, m) {
       "build(Tensor data, *, int degree=32, int initial_degree=16, int pool_size=48, int outer_iters=3, "
       "int inner_iters=6, float reverse_ratio=0.6, str update_order=\"random\", str metric=\"l2\", "
       "int seed=0) -> Tensor");
-  // Batched greedy graph search; list_size=0 means max(k, 64).
+  // Batched greedy graph search; list_size=0 means max(k, 64). No argument is keyword-only:
+  // torch.library.register_autograd (torch_grnnd/autograd.py) rejects keyword-only tensors
+  // such as `filter`; the Python wrapper keeps them keyword-only for callers.
   m.def(
-      "search(Tensor data, Tensor graph, Tensor queries, int k, *, int list_size=0, int search_width=1, "
+      "search(Tensor data, Tensor graph, Tensor queries, int k, int list_size=0, int search_width=1, "
       "int max_iters=0, str metric=\"l2\", int seed=0, Tensor? filter=None) -> (Tensor, Tensor)");
   // Exact k nearest neighbours.
   m.def("knn(Tensor data, Tensor queries, int k, *, str metric=\"l2\") -> (Tensor, Tensor)");
@@ -28,22 +37,18 @@ TORCH_LIBRARY(grnnd, m) {
       "-> (Tensor, Tensor)");
 }
 
-// Ops without a CUDA kernel in this build say so, instead of the dispatcher's generic
-// "could not run ... with arguments from the 'CUDA' backend".
+// Without CUDA kernels in this build, CUDA tensors get a message that says why and what to do,
+// instead of the dispatcher's generic "could not run ... with arguments from the 'CUDA' backend".
+#ifndef GRNND_WITH_CUDA
 namespace {
 [[noreturn]] void no_cuda_kernel(const char* op) {
-#ifdef GRNND_WITH_CUDA
-  TORCH_CHECK(false, "torch.ops.grnnd.", op, " has no CUDA kernel yet; move the tensors to the CPU for this op.");
-#else
   TORCH_CHECK(false, "torch.ops.grnnd.", op,
               " got CUDA tensors, but torch_grnnd was installed without CUDA kernels (nvcc or a CUDA build "
               "of torch was missing at install time). Reinstall with both present, or move the tensors to the CPU.");
-#endif
 }
 }  // namespace
 
 TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
-#ifndef GRNND_WITH_CUDA
   m.impl("build", [](const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, double, c10::string_view,
                      c10::string_view, int64_t) -> at::Tensor { no_cuda_kernel("build"); });
   m.impl("search", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
@@ -51,7 +56,7 @@ TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
                       const c10::optional<at::Tensor>&) -> std::tuple<at::Tensor, at::Tensor> {
     no_cuda_kernel("search");
   });
-#endif
   m.impl("knn", [](const at::Tensor&, const at::Tensor&, int64_t, c10::string_view)
                     -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("knn"); });
 }
+#endif

@@ -4,15 +4,19 @@
     index = grnnd.Index.build(emb, metric="cosine")
     dists, ids = index.search(queries, k=10)
 
-The ops are also reachable as ``torch.ops.grnnd.build/search/knn/knn_graph``.
+The ops are also reachable as ``torch.ops.grnnd.build/search/knn/knn_graph``; the distances
+they return are differentiable (``autograd``), and ``torch_grnnd.nn`` has the layers
+``KNNGraph`` and ``Retriever``. Logs go to the ``"torch_grnnd"`` logger.
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.grnnd.*)
+from . import autograd  # noqa: F401  (registers the backward of search, knn and knn_graph)
+from . import nn
 from .eval import recall
 from .graph import knn_graph
 from .index import Index
 from .ops import build, knn, search
 
-__all__ = ["Index", "build", "search", "knn", "knn_graph", "recall"]
+__all__ = ["Index", "build", "search", "knn", "knn_graph", "recall", "nn"]
 __version__ = "0.1.0"

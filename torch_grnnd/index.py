@@ -5,6 +5,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .progress import Progress
 
 
 class Index:
@@ -31,9 +32,11 @@ class Index:
         self.build_params = dict(build_params or {})
 
     @classmethod
-    def build(cls, data: Tensor, *, metric: ops.Metric = "l2", **build_params: Any) -> "Index":
-        """Build the graph of ``data``; ``build_params`` are those of :func:`torch_grnnd.build`."""
-        graph = ops.build(data, metric=metric, **build_params)
+    def build(cls, data: Tensor, *, metric: ops.Metric = "l2", progress: Progress = False,
+              **build_params: Any) -> "Index":
+        """Build the graph of ``data``; ``build_params`` are those of :func:`torch_grnnd.build`
+        (kept in :meth:`state_dict`); ``progress`` reports the build (not kept)."""
+        graph = ops.build(data, metric=metric, progress=progress, **build_params)
         return cls(data, graph, metric, build_params)
 
     def search(self, queries: Tensor, k: int = 10, *, list_size: int = 0, search_width: int = 1,

@@ -2,12 +2,18 @@
 
 All logic and validation lives in the C++ kernels (csrc/); this module gives each op a
 documented Python signature and tells torch.compile the shapes of its outputs. The defaults
-here are the schema's (csrc/grnnd.cpp); a test keeps the two equal.
+here are the schema's (csrc/grnnd.cpp); a test keeps the two equal. Gradients of the returned
+distances are registered in autograd.py.
 """
+import logging
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from .progress import Progress, run_reporting
+
+logger = logging.getLogger(__name__)  # under "torch_grnnd"
 
 Metric = str  # "l2" (squared Euclidean) | "ip" (negative inner product) | "cosine" (1 - cosine similarity)
 
@@ -24,6 +30,7 @@ def build(
     update_order: str = "random",
     metric: Metric = "l2",
     seed: int = 0,
+    progress: Progress = False,
 ) -> Tensor:
     """Build a GRNND graph (GPU-parallel Relative NN-Descent) over the rows of ``data``.
 
@@ -46,6 +53,9 @@ def build(
             ``"descending"`` distance order, for the ablation.
         metric: ``"l2"``, ``"ip"`` or ``"cosine"``.
         seed: seeds every random choice; with one CPU thread the graph is reproducible.
+        progress: report each outer iteration: ``True`` for a tqdm bar (or log records), or a
+            callable ``progress(done, total)``; see :mod:`torch_grnnd.progress`. Ignored inside
+            ``torch.compile``; on CUDA each report costs a stream synchronisation.
 
     Returns:
         int32 [N, degree]: neighbour ids of each row, ascending by distance, -1 padded.
@@ -57,18 +67,24 @@ def build(
         >>> graph.shape, graph.dtype
         (torch.Size([1000, 16]), torch.int32)
     """
-    return torch.ops.grnnd.build.default(
-        data,
-        degree=degree,
-        initial_degree=initial_degree,
-        pool_size=pool_size,
-        outer_iters=outer_iters,
-        inner_iters=inner_iters,
-        reverse_ratio=reverse_ratio,
-        update_order=update_order,
-        metric=metric,
-        seed=seed,
-    )
+    def run() -> Tensor:
+        return torch.ops.grnnd.build.default(
+            data,
+            degree=degree,
+            initial_degree=initial_degree,
+            pool_size=pool_size,
+            outer_iters=outer_iters,
+            inner_iters=inner_iters,
+            reverse_ratio=reverse_ratio,
+            update_order=update_order,
+            metric=metric,
+            seed=seed,
+        )
+
+    if not torch.compiler.is_compiling():  # a compiled graph cannot hold a host-side log call
+        logger.debug("build: %s %s on %s, metric=%s, degree=%d, T1=%d, T2=%d", tuple(data.shape), data.dtype,
+                     data.device, metric, degree, outer_iters, inner_iters)
+    return run_reporting(progress, "build", run)
 
 
 def search(
@@ -165,7 +181,7 @@ def _build_fake(data, *, degree=_DEFAULT_DEGREE, **_):
 
 
 @torch.library.register_fake("grnnd::search")
-def _search_fake(data, graph, queries, k, **_):
+def _search_fake(data, graph, queries, k, *_, **__):
     return _query_outputs(data, queries, k)
 
 

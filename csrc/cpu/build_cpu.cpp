@@ -13,6 +13,7 @@
 
 #include "../checks.h"
 #include "../philox.h"
+#include "../progress.h"
 #include "vectors_cpu.h"
 
 namespace grnnd {
@@ -226,6 +227,7 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
       sample_reverse_edges(n, pools, read, p);
       read ^= 1;
     }
+    report_progress(t1 + 1, p.outer_iters);
   }
 
   // Each row: the pool sorted by distance, cut to `degree`, -1 padded.

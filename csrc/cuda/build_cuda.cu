@@ -20,6 +20,7 @@
 
 #include "../checks.h"
 #include "../philox.h"
+#include "../progress.h"
 #include "vectors_cuda.cuh"
 #include "warp_cuda.cuh"
 
@@ -366,6 +367,12 @@ void run_build(const T* x, const DevicePools& pools, const BuildArgs& args, cons
       reverse_kernel<<<blocks, kBlockThreads, shared, stream>>>(pools, read, p.reverse_ratio);
       check_launch();
       read ^= 1;
+    }
+    // A report must mean the iteration is done, so progress costs one stream synchronisation
+    // per outer iteration; without a callback nothing waits.
+    if (progress_requested()) {
+      C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+      report_progress(t1 + 1, p.outer_iters);
     }
   }
   finalise_kernel<<<blocks, kBlockThreads, shared, stream>>>(pools, read, p.degree, graph);

@@ -1,0 +1,31 @@
+// Progress of long builds, reported to Python between outer iterations.
+//
+// Python installs a callback for the calling thread (torch_grnnd/progress.py, through
+// torch_grnnd._C._set_progress_callback); the build kernels call report_progress after each
+// outer iteration. Without a callback both functions cost one thread-local read, so the kernels
+// call them unconditionally. This header has no Python types: the CUDA sources include it.
+#pragma once
+
+#include <cstdint>
+
+namespace grnnd {
+
+// Whether the calling thread has a callback installed. The CUDA build checks it before paying
+// for the stream synchronisation that makes a report true.
+bool progress_requested();
+
+// Calls the callback with (done, total), taking the GIL for the call (ops run without it).
+// An exception raised by the callback stops the build: it is rethrown as a c10::Error, and
+// the Python side re-raises the original exception (so Ctrl-C during a build cancels it).
+void report_progress(int64_t done, int64_t total);
+
+}  // namespace grnnd
+
+// The Python binding, registered on torch_grnnd._C in grnnd.cpp (only units that include
+// Python.h see it).
+#ifdef Py_PYTHON_H
+namespace grnnd {
+// _set_progress_callback(callable or None): installs (or removes) the calling thread's callback.
+PyObject* set_progress_callback(PyObject* module, PyObject* callback);
+}  // namespace grnnd
+#endif

@@ -1,0 +1,162 @@
+"""torch_grnnd.nn: the KNNGraph layer and the Retriever module, and knn_graph's batch vector."""
+import pytest
+import torch
+
+import torch_grnnd as grnnd
+from conftest import clustered, exact_neighbours
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def examples(sizes, dim=16, seed=0):
+    """(x, batch) of len(sizes) clustered examples, each drawn around its own centres."""
+    parts = [clustered(size, dim, 5, seed=seed + i) for i, size in enumerate(sizes)]
+    return torch.cat(parts), torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))
+
+
+def test_batch_graphs_stay_inside_examples_and_reach_recall():
+    sizes = [700, 120, 1500, 400]
+    x, batch = examples(sizes)
+    edge_index = grnnd.knn_graph(x, 10, batch)
+    assert edge_index.shape == (2, 10 * sum(sizes))
+    assert torch.equal(batch[edge_index[0]], batch[edge_index[1]]), "an edge joins two examples"
+    ids = edge_index[0].view(-1, 10)
+    start = 0
+    for size in sizes:
+        rows = slice(start, start + size)
+        _, truth = exact_neighbours(x[rows], x[rows], 11)
+        recall = grnnd.recall(ids[rows] - start, truth[:, 1:])
+        assert recall >= 0.95, (size, recall)
+        start += size
+
+
+def test_batch_equals_separate_graphs_and_skips_missing_examples():
+    x, _ = examples([50, 80])
+    batch = torch.tensor([2] * 50 + [5] * 80)  # example ids need not be consecutive
+    edge_index = grnnd.knn_graph(x, 4, batch, exact=True)
+    first, second = grnnd.knn_graph(x[:50], 4, exact=True), grnnd.knn_graph(x[50:], 4, exact=True)
+    assert torch.equal(edge_index, torch.cat([first, second + 50], dim=1))
+
+
+@pytest.mark.parametrize(
+    "batch, k, error, match",
+    [
+        (torch.tensor([0] * 30 + [1] * 5 + [2] * 25), 5, ValueError, r"k: expected k < 5.*example 1 has 5 points"),
+        (torch.tensor([1] * 30 + [0] * 30), 3, ValueError, "batch: expected example indices sorted"),
+        (torch.tensor([0] * 30 + [1] * 20 + [0] * 10), 3, ValueError, "batch: expected example indices sorted"),
+        (torch.zeros(59, dtype=torch.long), 3, ValueError, r"batch: expected shape \[60\]"),
+        (torch.zeros(60), 3, TypeError, "batch: expected an integer tensor"),
+    ],
+)
+def test_batch_errors_name_the_problem(batch, k, error, match):
+    with pytest.raises(error, match=match):
+        grnnd.knn_graph(torch.randn(60, 4), k, batch)
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_knn_graph_layer_returns_edge_distances(loop):
+    x, batch = examples([200, 300], dim=8)
+    layer = grnnd.nn.KNNGraph(k=6, metric="ip", loop=loop)
+    edge_index, dists = layer(x, batch)
+    assert torch.equal(edge_index, grnnd.knn_graph(x, 6, batch, metric="ip", loop=loop))
+    recomputed = -(x[edge_index[0]] * x[edge_index[1]]).sum(1)
+    torch.testing.assert_close(dists, recomputed, rtol=1e-5, atol=1e-4)
+    assert "k=6, metric='ip'" in repr(layer)
+
+
+def test_knn_graph_layer_is_differentiable():
+    x = clustered(100, 8, 4, seed=3).requires_grad_()
+    edge_index, dists = grnnd.nn.KNNGraph(k=4, loop=True)(x)
+    dists.sum().backward()
+    want = 2 * torch.zeros_like(x).index_add(0, edge_index[1], x[edge_index[1]] - x[edge_index[0]]).detach()
+    want += 2 * torch.zeros_like(x).index_add(0, edge_index[0], x[edge_index[0]] - x[edge_index[1]]).detach()
+    torch.testing.assert_close(x.grad, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return clustered(3000, 16, 20, seed=20), clustered(50, 16, 20, seed=21)
+
+
+def test_retriever_state_dict_round_trip(corpus, tmp_path):
+    data, queries = corpus
+    retriever = grnnd.nn.Retriever(data, k=5, metric="cosine", list_size=48, degree=24)
+    dists, ids = retriever(queries)
+    assert set(retriever.state_dict()) == {"data", "graph", "_extra_state"}
+    torch.save(retriever.state_dict(), tmp_path / "retriever.pt")
+    restored = grnnd.nn.Retriever()
+    restored.load_state_dict(torch.load(tmp_path / "retriever.pt", weights_only=True))
+    assert (restored.k, restored.metric, restored.list_size, restored.build_params) == (5, "cosine", 48, {"degree": 24})
+    again_dists, again_ids = restored(queries)
+    assert torch.equal(ids, again_ids) and torch.equal(dists, again_dists)
+    assert "n=3000, dim=16, k=5, metric='cosine'" in repr(restored)
+
+
+def test_retriever_inside_a_model(corpus):
+    data, queries = corpus
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = torch.nn.Linear(16, 16)
+            self.index = grnnd.nn.Retriever(k=3)
+
+        def forward(self, x):
+            return self.index(self.encoder(x))
+
+    model = Model()
+    with torch.no_grad():
+        model.index.rebuild(model.encoder(data))
+    assert set(model.state_dict()) >= {"encoder.weight", "index.data", "index.graph", "index._extra_state"}
+    copy = Model()
+    copy.load_state_dict(model.state_dict())
+    assert torch.equal(copy(queries)[1], model(queries)[1])
+    dists, _ = model(queries)
+    dists.sum().backward()  # gradients reach the query encoder; the index is a detached buffer
+    assert model.encoder.weight.grad is not None and not model.index.data.requires_grad
+
+    model.half()
+    assert model.index.data.dtype == torch.float16 and model.index.graph.dtype == torch.int32
+    _, ids = model.index(model.encoder(queries.half()))
+    assert grnnd.recall(ids, copy(queries)[1]) >= 0.9
+
+
+def test_retriever_rebuild_replaces_the_index(corpus):
+    data, queries = corpus
+    retriever = grnnd.nn.Retriever(data[:1000], k=4)
+    assert len(retriever) == 1000
+    assert retriever.rebuild(data) is retriever and len(retriever) == 3000
+    _, truth = exact_neighbours(data, queries, 4)
+    assert grnnd.recall(retriever(queries)[1], truth) >= 0.95
+    assert retriever(queries, k=2)[1].shape == (50, 2)
+
+
+def test_empty_retriever_says_what_to_do():
+    with pytest.raises(RuntimeError, match="Retriever is empty: call rebuild"):
+        grnnd.nn.Retriever()(torch.randn(2, 4))
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_retriever_follows_the_module_to_cuda(corpus):
+    data, queries = corpus
+    retriever = grnnd.nn.Retriever(data, k=5)
+    cpu_ids = retriever(queries)[1]
+    retriever.cuda()
+    assert retriever.data.is_cuda and retriever.graph.is_cuda
+    dists, ids = retriever(queries.cuda())
+    assert ids.is_cuda and grnnd.recall(ids, cpu_ids) >= 0.98
+    restored = grnnd.nn.Retriever().cuda()
+    restored.load_state_dict(retriever.state_dict())
+    assert restored.data.is_cuda and torch.equal(restored(queries.cuda())[1], ids)
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_batch_graphs_on_cuda():
+    x, batch = examples([300, 500])
+    cpu = grnnd.knn_graph(x, 8, batch, exact=True)
+    edge_index, dists = grnnd.nn.KNNGraph(k=8)(x.cuda(), batch.cuda())
+    assert edge_index.is_cuda and dists.is_cuda
+    assert torch.equal(batch[edge_index[0].cpu()], batch[edge_index[1].cpu()])
+    assert grnnd.recall(edge_index[0].view(-1, 8).cpu(), cpu[0].view(-1, 8)) >= 0.95

@@ -1,0 +1,125 @@
+"""Neural-network layers: the k-NN graph of a batch, and a searchable index held by a model.
+
+Both work under ``torch.compile(fullgraph=True)`` (``KNNGraph`` without ``batch``), and the
+distances they return carry gradients to the embeddings (see :mod:`torch_grnnd.autograd`).
+"""
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .graph import knn_graph
+from .index import Index
+from .ops import Metric
+from .progress import Progress
+
+
+class KNNGraph(nn.Module):
+    """k-NN graph of the rows of its input, as in :func:`torch_grnnd.knn_graph`.
+
+    ``forward(x, batch=None)`` returns ``(edge_index [2, N * k], dists [N * k])``: PyG's edge
+    convention (``flow``), and each edge's distance, differentiable with respect to ``x``.
+    With ``batch`` (sorted int64 [N]) every example gets its own graph.
+
+    Example:
+        >>> import torch, torch_grnnd as grnnd
+        >>> layer = grnnd.nn.KNNGraph(k=5, metric="cosine")
+        >>> x = torch.randn(300, 16, requires_grad=True)
+        >>> edge_index, dists = layer(x)
+        >>> edge_index.shape, dists.shape
+        (torch.Size([2, 1500]), torch.Size([1500]))
+        >>> dists.mean().backward()          # gradients reach the embeddings
+        >>> x.grad.shape
+        torch.Size([300, 16])
+    """
+
+    def __init__(self, k: int, *, metric: Metric = "l2", exact: bool = False, loop: bool = False,
+                 flow: str = "source_to_target", list_size: int = 0, seed: int = 0):
+        super().__init__()
+        self.k, self.metric, self.exact, self.loop, self.flow = k, metric, exact, loop, flow
+        self.list_size, self.seed = list_size, seed
+
+    def forward(self, x: Tensor, batch: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        return knn_graph(x, self.k, batch, metric=self.metric, exact=self.exact, loop=self.loop, flow=self.flow,
+                         list_size=self.list_size, seed=self.seed, return_distances=True)
+
+    def extra_repr(self) -> str:
+        return f"k={self.k}, metric={self.metric!r}, exact={self.exact}, loop={self.loop}, flow={self.flow!r}"
+
+
+class Retriever(nn.Module):
+    """A :class:`torch_grnnd.Index` as a module attribute.
+
+    The vectors and their graph are buffers: they are in ``state_dict()``, move with
+    ``.to(device)`` and follow ``.half()`` (the graph stays int32). The metric, ``k``,
+    ``list_size`` and the build parameters travel in the state dict too, so
+    ``Retriever().load_state_dict(state)`` restores the whole index. ``rebuild(emb)`` indexes
+    new embeddings (e.g. once per epoch); ``forward(queries)`` searches them. The indexed rows
+    are detached: distances carry gradients to the queries only (use :func:`torch_grnnd.search`
+    on live embeddings for gradients to the data too).
+
+    Example:
+        >>> import torch, torch_grnnd as grnnd
+        >>> retriever = grnnd.nn.Retriever(torch.randn(1000, 16), k=3, metric="cosine")
+        >>> dists, ids = retriever(torch.randn(4, 16))
+        >>> ids.shape
+        torch.Size([4, 3])
+        >>> restored = grnnd.nn.Retriever()
+        >>> _ = restored.load_state_dict(retriever.state_dict())
+        >>> queries = torch.randn(4, 16)
+        >>> restored(queries)[1].equal(retriever(queries)[1])
+        True
+    """
+
+    def __init__(self, data: Optional[Tensor] = None, *, k: int = 10, metric: Metric = "l2", list_size: int = 0,
+                 progress: Progress = False, **build_params: Any):
+        """Index ``data`` now, or leave the retriever empty until :meth:`rebuild` or
+        :meth:`load_state_dict`. ``build_params`` are those of :func:`torch_grnnd.build`."""
+        super().__init__()
+        self.k, self.metric, self.list_size, self.build_params = k, metric, list_size, dict(build_params)
+        self.register_buffer("data", torch.empty(0, 0))
+        self.register_buffer("graph", torch.empty(0, 0, dtype=torch.int32))
+        if data is not None:
+            self.rebuild(data, progress=progress)
+
+    @property
+    def index(self) -> Index:
+        """The buffers as an :class:`~torch_grnnd.Index` (no copy)."""
+        return Index(self.data, self.graph, self.metric, self.build_params)
+
+    def rebuild(self, data: Tensor, *, progress: Progress = False) -> "Retriever":
+        """Index ``data`` (its rows, detached, without a copy) in place of the current vectors."""
+        index = Index.build(data.detach(), metric=self.metric, progress=progress, **self.build_params)
+        self.data, self.graph = index.data, index.graph
+        return self
+
+    def forward(self, queries: Tensor, k: Optional[int] = None, *,
+                filter: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """``(dists [Q, k], ids [Q, k])`` of the nearest indexed rows; see :meth:`Index.search`."""
+        if self.data.shape[0] == 0:
+            raise RuntimeError("Retriever is empty: call rebuild(embeddings) or load_state_dict(state) first")
+        return self.index.search(queries, self.k if k is None else k, list_size=self.list_size, filter=filter)
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    def get_extra_state(self) -> Dict[str, Any]:
+        return {"k": self.k, "metric": self.metric, "list_size": self.list_size,
+                "build_params": dict(self.build_params)}
+
+    def set_extra_state(self, state: Dict[str, Any]) -> None:
+        self.k, self.metric, self.list_size = state["k"], state["metric"], state["list_size"]
+        self.build_params = dict(state["build_params"])
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # The number of rows is data, not configuration: take the incoming shapes (keeping
+        # this module's device and dtype) so that any retriever can load any index.
+        for name in ("data", "graph"):
+            incoming = state_dict.get(prefix + name)
+            if incoming is not None:
+                setattr(self, name, getattr(self, name).new_empty(incoming.shape))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"n={self.data.shape[0]}, dim={self.data.shape[1]}, k={self.k}, metric={self.metric!r}, "
+                f"list_size={self.list_size}")
