@@ -65,6 +65,12 @@ def qps_at_recall(curve: list, target: float) -> float:
     return best
 
 
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.0f}" if v >= 1000 else f"{v:.4g}"
+    return str(v)
+
+
 def markdown(results: dict, target: float = 0.95) -> str:
     m = results["machine"]
     lines = [f"# {results.get('title', 'benchmark')}", "",
@@ -87,6 +93,10 @@ def markdown(results: dict, target: float = 0.95) -> str:
                   "| update order | reverse_ratio | build s | recall@10 |", "|---|---:|---:|---:|"]
         lines += [f"| {a['update_order']} | {a['reverse_ratio']} | {a['build_s']:.3f} | {a['recall_list64']:.4f} |"
                   for a in results["ablation"]]
+    for table in results.get("tables", []):
+        lines += ["", table["title"], "", "| " + " | ".join(table["columns"]) + " |",
+                  "|" + "---|" * len(table["columns"])]
+        lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in table["rows"]]
     lines += ["", "Curves (search parameter: recall@10, QPS):", ""]
     for meth in results["methods"]:
         pts = ", ".join(f"{c['param']}: {c['recall']:.4f} @ {c['qps']:,.0f}" for c in meth["curve"])

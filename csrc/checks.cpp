@@ -1,5 +1,7 @@
 #include "checks.h"
 
+#include "params.h"
+
 #include <cstdint>
 #include <limits>
 
@@ -94,6 +96,7 @@ void check_knn_inputs(const at::Tensor& data, const at::Tensor& queries, int64_t
   check_same_device(data, "data", queries, "queries");
   check_same_dim(data, queries);
   check_k(k, data.size(0), "number of data rows");
+  TORCH_CHECK_VALUE(k <= kMaxKnnK, "k: expected at most ", kMaxKnnK, " for exact knn, got ", k);
   check_finite(data, "data");
   check_finite(queries, "queries");
 }

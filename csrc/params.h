@@ -52,6 +52,9 @@ BuildParams make_build_params(int64_t degree, int64_t initial_degree, int64_t po
                               int64_t inner_iters, double reverse_ratio, const std::string& update_order,
                               const std::string& metric, int64_t seed);
 
+// Largest k the exact knn returns (its GPU selection keeps k plus a margin in shared memory).
+constexpr int kMaxKnnK = 1024;
+
 // Largest internal list the search keeps (k <= list_size <= this).
 constexpr int kMaxListSize = 1024;
 

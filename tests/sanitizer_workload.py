@@ -19,6 +19,9 @@ def main():
         allowed = torch.rand(1500, generator=g, device="cuda") < 0.3
         grnnd.search(data, graph, data[:16], 10, list_size=256, metric=metric, filter=allowed)
     grnnd.build(torch.randn(1500, 16, device="cuda"), update_order="ascending", outer_iters=1, inner_iters=2)
+    for dtype, metric, k in [(torch.float32, "l2", 10), (torch.float16, "cosine", 300), (torch.bfloat16, "ip", 1)]:
+        data = torch.randn(3000, 24, generator=g, device="cuda").to(dtype)
+        grnnd.knn(data, data[:40], k, metric=metric)
     torch.cuda.synchronize()
     print("sanitizer workload done")
 

@@ -78,6 +78,8 @@ def test_k_out_of_range():
         grnnd.search(X, G, X[:2], 20, list_size=16)
     with pytest.raises(ValueError, match=r"k: expected 1 <= k <= 99"):
         grnnd.knn_graph(X, 100)
+    with pytest.raises(ValueError, match=r"k: expected at most 1024 for exact knn, got 1025"):
+        grnnd.knn(torch.randn(2000, 4), torch.randn(2, 4), 1025)
 
 
 def test_dimension_mismatch():

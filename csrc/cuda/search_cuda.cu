@@ -29,108 +29,17 @@
 
 #include "../checks.h"
 #include "../philox.h"
+#include "sort_cuda.cuh"
 #include "vectors_cuda.cuh"
 
 namespace grnnd {
 namespace cuda {
 namespace {
 
-constexpr uint32_t kEmptyId = 0x7fffffffu;   // unused slot; above every real id (n < 2^31 - 1)
-constexpr uint32_t kExpanded = 0x80000000u;  // flag on list ids: this node's neighbours were visited
-constexpr uint32_t kIdMask = 0x7fffffffu;
+constexpr uint32_t kExpanded = 0x80000000u;  // flag on list ids (above kIdMask): neighbours were visited
 constexpr uint32_t kHashFree = 0xffffffffu;
 constexpr int kMaxSearchWidth = 32;          // = params.h bound; parents live in one warp's ballot
 constexpr int kMaxThreads = 512;
-// Sorting networks up to this many keys run in warp 0 alone with __syncwarp between stages:
-// at <= 2 compare-exchanges per lane and stage that is cheaper than a block-wide barrier.
-constexpr int kWarpSortMax = 128;
-
-__host__ __device__ constexpr int next_pow2(int v) {
-  int p = 1;
-  while (p < v) p <<= 1;
-  return p;
-}
-
-// Total order on (distance, id): ties broken by id so that every thread, every run, sorts
-// the same way (results are reproducible, and a CUDA-graph replay equals the eager call).
-__device__ __forceinline__ bool key_less(float da, uint32_t ia, float db, uint32_t ib) {
-  ia &= kIdMask;
-  ib &= kIdMask;
-  return da < db || (da == db && ia < ib);
-}
-
-__device__ __forceinline__ void compare_swap(float* d, uint32_t* id, int lo, int hi, bool ascending) {
-  const float dl = d[lo], dh = d[hi];
-  const uint32_t il = id[lo], ih = id[hi];
-  if (key_less(dh, ih, dl, il) == ascending) {
-    d[lo] = dh;
-    d[hi] = dl;
-    id[lo] = ih;
-    id[hi] = il;
-  }
-}
-
-// One stage of a bitonic network over n keys: pair t compares slots lo and lo + stride. With
-// `size` = 0 every pair sorts ascending (a merge stage); otherwise pairs alternate direction in
-// blocks of `size` (a stage of the full sort).
-__device__ __forceinline__ void bitonic_stage(float* d, uint32_t* id, int n, int size, int stride, int first,
-                                              int step) {
-  for (int t = first; t < n / 2; t += step) {
-    const int lo = 2 * t - (t & (stride - 1));
-    compare_swap(d, id, lo, lo + stride, size == 0 || (lo & size) == 0);
-  }
-}
-
-// Sorts n keys ascending (n a power of two), or, with kMergeOnly, sorts a bitonic sequence of n
-// keys. Called by the whole block after a __syncthreads that published the keys; returns after
-// one, so the result is visible to every thread.
-template <bool kMergeOnly>
-__device__ void bitonic(float* d, uint32_t* id, int n) {
-  if (n >= 2) {
-    const int first_size = kMergeOnly ? n : 2;
-    if (n <= kWarpSortMax) {
-      if (threadIdx.x < kWarpSize) {
-        for (int size = first_size; size <= n; size <<= 1) {
-          for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            bitonic_stage(d, id, n, size == n ? 0 : size, stride, threadIdx.x, kWarpSize);
-            __syncwarp();  // orders warp 0's shared-memory writes before the next stage reads
-          }
-        }
-      }
-    } else {
-      for (int size = first_size; size <= n; size <<= 1) {
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-          bitonic_stage(d, id, n, size == n ? 0 : size, stride, threadIdx.x, blockDim.x);
-          __syncthreads();
-        }
-      }
-    }
-  }
-  __syncthreads();
-}
-
-// Merges the sorted src[0, n_src) into the sorted dst[0, cap) (cap a power of two) and keeps
-// its best `keep` entries, the rest emptied. Comparing dst[j] with src[cap-1-j] is the first
-// half-cleaner of a bitonic merge of dst ++ reversed src; its lower half holds the cap smallest
-// keys as a bitonic sequence, which a log2(cap)-stage merge then sorts. Called by the whole
-// block after a __syncthreads that published src; dst is final for all threads at the next one.
-__device__ void merge_sorted(float* dst_d, uint32_t* dst_i, int cap, int keep, const float* src_d,
-                             const uint32_t* src_i, int n_src) {
-  for (int j = threadIdx.x; j < cap; j += blockDim.x) {
-    const int r = cap - 1 - j;
-    if (r < n_src && key_less(src_d[r], src_i[r], dst_d[j], dst_i[j])) {
-      dst_d[j] = src_d[r];
-      dst_i[j] = src_i[r];
-    }
-  }
-  __syncthreads();
-  bitonic<true>(dst_d, dst_i, cap);
-  for (int j = keep + threadIdx.x; j < cap; j += blockDim.x) {
-    dst_d[j] = std::numeric_limits<float>::infinity();
-    dst_i[j] = kEmptyId;
-  }
-}
-
 // Visited set: open addressing with linear probing over 2^bits slots. Returns true when `key`
 // was not there and this call inserted it. Every probe is an atomicCAS (no plain read racing
 // another thread's insert), so of concurrent inserts of one key exactly one wins. Terminates
@@ -212,7 +121,7 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
     const uint32_t u = valid ? cand_i[c] : 0u;
     const T* row = x + static_cast<int64_t>(u) * a.dim;
     const int dim = valid ? a.dim : 0;
-    float dist = a.metric == Metric::kCosine ? team_cosine_to_unit<TEAM>(query, row, dim, rank)
+    float dist = a.metric == Metric::kCosine ? team_cosine<TEAM, T, /*kUnitA=*/true>(query, row, dim, rank)
                                              : team_distance<TEAM>(query, row, dim, a.metric, rank);
     if (isnan(dist)) dist = std::numeric_limits<float>::infinity();  // NaN would break the sort order
     if (valid && rank == 0) cand_d[c] = dist;
@@ -430,7 +339,7 @@ std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at:
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index()).stream();
 
   // Cosine: only the queries are normalised; the data rows' norms are folded into the distance
-  // (team_cosine_to_unit), so no [N, D] copy is made per call.
+  // (team_cosine), so no [N, D] copy is made per call.
   const at::Tensor x = prepare_vectors(data, p.metric == Metric::kCosine ? Metric::kL2 : p.metric);
   const at::Tensor q = prepare_vectors(queries.to(x.scalar_type()), p.metric);
   const at::Tensor g = graph.contiguous();

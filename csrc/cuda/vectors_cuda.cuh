@@ -94,46 +94,40 @@ inline void check_launch() { C10_CUDA_KERNEL_LAUNCH_CHECK(); }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-}  // namespace cuda
-}  // namespace grnnd
 
-namespace grnnd {
-namespace cuda {
-
-// Cosine distance 1 - <q, x> / |x| from a unit-norm row q to a raw (unnormalised) row x, by
-// the TEAM lanes of the calling team; same calling rules and load paths as team_distance.
-// The dot product and |x|^2 come from the same 16-byte loads, so a search by cosine needs no
-// normalised copy of the data (only the few queries are normalised up front), which keeps the
-// op free of an [N, D] pass and allocation per call. A zero row x is at distance 1, as on the CPU.
-template <int TEAM, typename T>
-__device__ __forceinline__ float team_cosine_to_unit(const T* q, const T* x, int dim, int rank) {
+// Cosine distance 1 - <a, b> / (|a| |b|) between raw rows, by the TEAM lanes of the calling
+// team; same calling rules and load paths as team_distance. With kUnitA the caller promises
+// |a| = 1 and its norm is not accumulated: the search normalises its few queries up front and
+// so needs no normalised copy of the data (no [N, D] pass and allocation per call). The dot
+// product and the norms come from the same 16-byte loads. A zero row is at distance 1, as on
+// the CPU.
+template <int TEAM, typename T, bool kUnitA = false>
+__device__ __forceinline__ float team_cosine(const T* a, const T* b, int dim, int rank) {
   constexpr int kPerChunk = 16 / sizeof(T);
-  float dot = 0.0f, norm2 = 0.0f;
+  float dot = 0.0f, norm2_a = 0.0f, norm2_b = 0.0f;
+  auto add = [&](float x, float y) {
+    dot += x * y;
+    norm2_b += y * y;
+    if (!kUnitA) norm2_a += x * x;
+  };
   if (dim % kPerChunk == 0) {
-    const uint4* vq = reinterpret_cast<const uint4*>(q);
-    const uint4* vx = reinterpret_cast<const uint4*>(x);
+    const uint4* va = reinterpret_cast<const uint4*>(a);
+    const uint4* vb = reinterpret_cast<const uint4*>(b);
     const int chunks = dim / kPerChunk;
     for (int c = rank; c < chunks; c += TEAM) {
-      const uint4 rq = __ldg(vq + c), rx = __ldg(vx + c);
-      const T* eq = reinterpret_cast<const T*>(&rq);
-      const T* ex = reinterpret_cast<const T*>(&rx);
+      const uint4 ra = __ldg(va + c), rb = __ldg(vb + c);
+      const T* ea = reinterpret_cast<const T*>(&ra);
+      const T* eb = reinterpret_cast<const T*>(&rb);
 #pragma unroll
-      for (int e = 0; e < kPerChunk; ++e) {
-        const float b = static_cast<float>(ex[e]);
-        dot += static_cast<float>(eq[e]) * b;
-        norm2 += b * b;
-      }
+      for (int e = 0; e < kPerChunk; ++e) add(static_cast<float>(ea[e]), static_cast<float>(eb[e]));
     }
   } else {
-    for (int e = rank; e < dim; e += TEAM) {
-      const float b = static_cast<float>(x[e]);
-      dot += static_cast<float>(q[e]) * b;
-      norm2 += b * b;
-    }
+    for (int e = rank; e < dim; e += TEAM) add(static_cast<float>(a[e]), static_cast<float>(b[e]));
   }
   dot = team_sum<TEAM>(dot);
-  norm2 = team_sum<TEAM>(norm2);
-  return 1.0f - dot / fmaxf(sqrtf(norm2), 1e-30f);
+  norm2_b = team_sum<TEAM>(norm2_b);
+  const float norm_a = kUnitA ? 1.0f : fmaxf(sqrtf(team_sum<TEAM>(norm2_a)), 1e-30f);
+  return 1.0f - dot / (norm_a * fmaxf(sqrtf(norm2_b), 1e-30f));
 }
 
 }  // namespace cuda

@@ -1,0 +1,108 @@
+// Block-wide sorting of (distance, id) keys in shared memory: the bitonic networks the search
+// merges its candidate lists with (seed 002, OB 8) and the exact k-NN selects with.
+//
+// Every function here is called by all threads of a block together.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+#include "vectors_cuda.cuh"
+
+namespace grnnd {
+namespace cuda {
+
+constexpr uint32_t kEmptyId = 0x7fffffffu;  // unused slot; above every real id (n < 2^31 - 1)
+constexpr uint32_t kIdMask = 0x7fffffffu;   // the bits of a key's id that order it; the top bit is a flag
+// Sorting networks up to this many keys run in warp 0 alone with __syncwarp between stages:
+// at <= 2 compare-exchanges per lane and stage that is cheaper than a block-wide barrier.
+constexpr int kWarpSortMax = 128;
+
+__host__ __device__ constexpr int next_pow2(int v) {
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+// Total order on (distance, id): ties broken by id so that every thread, every run, sorts
+// the same way (results are reproducible, and a CUDA-graph replay equals the eager call).
+__device__ __forceinline__ bool key_less(float da, uint32_t ia, float db, uint32_t ib) {
+  ia &= kIdMask;
+  ib &= kIdMask;
+  return da < db || (da == db && ia < ib);
+}
+
+__device__ __forceinline__ void compare_swap(float* d, uint32_t* id, int lo, int hi, bool ascending) {
+  const float dl = d[lo], dh = d[hi];
+  const uint32_t il = id[lo], ih = id[hi];
+  if (key_less(dh, ih, dl, il) == ascending) {
+    d[lo] = dh;
+    d[hi] = dl;
+    id[lo] = ih;
+    id[hi] = il;
+  }
+}
+
+// One stage of a bitonic network over n keys: pair t compares slots lo and lo + stride. With
+// `size` = 0 every pair sorts ascending (a merge stage); otherwise pairs alternate direction in
+// blocks of `size` (a stage of the full sort).
+__device__ __forceinline__ void bitonic_stage(float* d, uint32_t* id, int n, int size, int stride, int first,
+                                              int step) {
+  for (int t = first; t < n / 2; t += step) {
+    const int lo = 2 * t - (t & (stride - 1));
+    compare_swap(d, id, lo, lo + stride, size == 0 || (lo & size) == 0);
+  }
+}
+
+// Sorts n keys ascending (n a power of two), or, with kMergeOnly, sorts a bitonic sequence of n
+// keys. Called by the whole block after a __syncthreads that published the keys; returns after
+// one, so the result is visible to every thread.
+template <bool kMergeOnly>
+__device__ void bitonic(float* d, uint32_t* id, int n) {
+  if (n >= 2) {
+    const int first_size = kMergeOnly ? n : 2;
+    if (n <= kWarpSortMax) {
+      if (threadIdx.x < kWarpSize) {
+        for (int size = first_size; size <= n; size <<= 1) {
+          for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            bitonic_stage(d, id, n, size == n ? 0 : size, stride, threadIdx.x, kWarpSize);
+            __syncwarp();  // orders warp 0's shared-memory writes before the next stage reads
+          }
+        }
+      }
+    } else {
+      for (int size = first_size; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+          bitonic_stage(d, id, n, size == n ? 0 : size, stride, threadIdx.x, blockDim.x);
+          __syncthreads();
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// Merges the sorted src[0, n_src) into the sorted dst[0, cap) (cap a power of two) and keeps
+// its best `keep` entries, the rest emptied. Comparing dst[j] with src[cap-1-j] is the first
+// half-cleaner of a bitonic merge of dst ++ reversed src; its lower half holds the cap smallest
+// keys as a bitonic sequence, which a log2(cap)-stage merge then sorts. Called by the whole
+// block after a __syncthreads that published src; dst is final for all threads at the next one.
+__device__ inline void merge_sorted(float* dst_d, uint32_t* dst_i, int cap, int keep, const float* src_d,
+                             const uint32_t* src_i, int n_src) {
+  for (int j = threadIdx.x; j < cap; j += blockDim.x) {
+    const int r = cap - 1 - j;
+    if (r < n_src && key_less(src_d[r], src_i[r], dst_d[j], dst_i[j])) {
+      dst_d[j] = src_d[r];
+      dst_i[j] = src_i[r];
+    }
+  }
+  __syncthreads();
+  bitonic<true>(dst_d, dst_i, cap);
+  for (int j = keep + threadIdx.x; j < cap; j += blockDim.x) {
+    dst_d[j] = std::numeric_limits<float>::infinity();
+    dst_i[j] = kEmptyId;
+  }
+}
+
+}  // namespace cuda
+}  // namespace grnnd
