@@ -8,12 +8,14 @@ Measures (CUDA events, after a warm-up; extension compile excluded):
   - torch_grnnd build time, peak extra GPU memory, out-degree;
   - torch_grnnd search QPS-recall@10 curve at batch --batch, sweeping list_size (and search_width);
   - with --ablation: update order and reverse_ratio sweeps (build time, recall at list 64);
-  - with --exact-graph: plain-PyTorch exact k-NN graph (k = degree) of all points, float16.
+  - with --exact-graph: plain-PyTorch exact k-NN graph (k = degree) of all points, float16;
+  - with --small-batches: wall-clock latency of batches of 1, 100 and 1000 queries.
 Writes gpu_<data>.{json,md,png} under --out.
 """
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -96,6 +98,7 @@ def main():
     p.add_argument("--widths", default="1")
     p.add_argument("--ablation", action="store_true")
     p.add_argument("--exact-graph", action="store_true")
+    p.add_argument("--small-batches", action="store_true", help="latency of batches of 1, 100 and 1000")
     p.add_argument("--build", default="", help="build params, e.g. pool_size=64,inner_iters=8")
     args = p.parse_args()
     device = "cuda"
@@ -133,6 +136,28 @@ def main():
     widths = [int(s) for s in args.widths.split(",")]
     methods.append({"name": "torch_grnnd (GRNND graph + CUDA search)", "build_s": build_s, "params": params,
                     "curve": search_curve(base, graph, queries, gt, args.batch, lists, widths)})
+
+    if args.small_batches:
+        # Latency as a caller sees it: back-to-back calls from Python, wall clock, synchronised.
+        rows = []
+        for lst in (64, 96, 128):
+            for batch in (1, 100, 1000):
+                q = queries[:batch]
+                run = lambda: grnnd.search(base, graph, q, 10, list_size=lst)  # noqa: E731
+                run()
+                torch.cuda.synchronize()
+                calls = 200 if batch < 1000 else 50
+                start = time.perf_counter()
+                for _ in range(calls):
+                    _, ids = run()
+                torch.cuda.synchronize()
+                ms = (time.perf_counter() - start) / calls * 1000
+                rows.append([lst, batch, ms, batch / ms * 1000, grnnd.recall(ids, gt[:batch], 10)])
+                print(f"  small batch list={lst} batch={batch}: {ms:.3f} ms/call, {rows[-1][3]:,.0f} q/s, "
+                      f"recall@10 {rows[-1][4]:.4f}", flush=True)
+        extra.setdefault("tables", []).append({
+            "title": "Small batches, back-to-back calls of torch.ops.grnnd.search from Python (wall clock):",
+            "columns": ["list", "batch", "ms per call", "queries/s", "recall@10"], "rows": rows})
 
     if args.ablation:
         rows = []
