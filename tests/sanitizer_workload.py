@@ -16,6 +16,7 @@ def main():
         graph = grnnd.build(data, metric=metric, outer_iters=2, inner_iters=2)
         for width in (1, 2):
             grnnd.search(data, graph, data[:64], 10, list_size=64, search_width=width, metric=metric)
+        grnnd.search(data, graph, data.repeat(2, 1), 10, list_size=32, metric=metric)  # 64-thread blocks
         allowed = torch.rand(1500, generator=g, device="cuda") < 0.3
         grnnd.search(data, graph, data[:16], 10, list_size=256, metric=metric, filter=allowed)
     grnnd.build(torch.randn(1500, 16, device="cuda"), update_order="ascending", outer_iters=1, inner_iters=2)

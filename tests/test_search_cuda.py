@@ -196,6 +196,20 @@ def test_cuda_graph_capture(points, graph_for, metric):
     assert torch.equal(captured[0], fresh[0]) and torch.equal(captured[1], fresh[1])
 
 
+@pytest.mark.parametrize("list_size", [32, 128, 512])
+def test_results_do_not_depend_on_the_batch_size(points, graph_for, list_size):
+    # The block size follows the batch (64 threads per query for batches that fill the GPU,
+    # 256 for a few queries); a query's search, and so its result, is the same either way.
+    data, queries = points
+    graph = graph_for("l2").cuda()
+    x = data.cuda()
+    many = torch.cat([queries] * 20).cuda()  # 20 000 queries: more than 8 per SM on any GPU
+    d_all, i_all = grnnd.search(x, graph, many, K, list_size=list_size)
+    for batch in (1, 50, 500):
+        d, i = grnnd.search(x, graph, many[:batch], K, list_size=list_size)
+        assert torch.equal(i, i_all[:batch]) and torch.equal(d, d_all[:batch])
+
+
 def test_non_default_stream_and_repeatability(points, graph_for):
     data, graph, queries = points[0].cuda(), graph_for("l2").cuda(), points[1].cuda()
     ref = grnnd.search(data, graph, queries, K, list_size=64)

@@ -294,11 +294,18 @@ int pick_team(int64_t row_bytes) {
   return 32;
 }
 
-// Threads per block, by list capacity: the merge network has M/2 compare-exchanges per stage.
-int pick_threads(int list_cap) {
-  if (list_cap <= 256) return 128;
-  if (list_cap <= 512) return 256;
-  return 512;
+// Threads per block (one block per query). A query's iterations are serial and each ends in
+// block-wide barriers, so few threads lose little per query while many resident blocks hide
+// each other's barrier and memory stalls; a batch that cannot fill the GPU is latency-bound
+// instead, and more threads shorten each iteration. Measured on the H200 (1M x 384 float16
+// normalised clustered rows, list 64): batch 10 000 ran at 2.03M q/s with 64 threads, 1.67M
+// with 128, 1.00M with 256; a batch of 100 took 1.11 ms with 64 threads, 0.80 ms with 128,
+// 0.65 ms with 256. Long lists keep enough threads for the merge network's M/2
+// compare-exchanges per stage.
+int pick_threads(int64_t queries, int sms, int list_cap) {
+  const int for_batch = queries >= 8 * sms ? 64 : queries >= sms ? 128 : 256;
+  const int for_list = list_cap <= 256 ? 64 : list_cap <= 512 ? 256 : 512;
+  return std::max(for_batch, for_list);
 }
 
 size_t shared_bytes(const SearchArgs& a, int hash_bits) {
@@ -372,8 +379,9 @@ std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at:
   // Visited hash: must hold list + results + one round at load <= 1/2 (the no-duplicate
   // argument at the top); 4x that, at least 2048 slots, so resets (which forget visited nodes
   // and cost recomputed distances) stay rare. Falls back to the 2x minimum if shared memory is short.
-  int device = data.device().index(), optin = 0;
+  int device = data.device().index(), optin = 0, sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const size_t limit = static_cast<size_t>(optin) - kStaticShared;
   const int64_t must_hold = static_cast<int64_t>(p.list_size) + (filter.has_value() ? p.k : 0) + per_round;
   a.hash_bits = log2_of(std::max<int64_t>(4 * must_hold, 2048));
@@ -388,7 +396,7 @@ std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at:
   a.out_dists = out_dists.data_ptr<float>();
   a.out_ids = out_ids.data_ptr<int64_t>();
 
-  const int threads = pick_threads(a.list_cap);
+  const int threads = pick_threads(nq, sms, a.list_cap);
   const int team = pick_team(static_cast<int64_t>(a.dim) * x.element_size());
   GRNND_DISPATCH_STORAGE(x.scalar_type(), "search_cuda", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
