@@ -116,7 +116,8 @@ def main() -> int:
         context = corpus.tokens[ids]  # [queries, k, length]: what a reader would attend over
         _, exact_ids = grnnd.knn(model.index.data, model.encoder(query_tokens), k, metric="ip")
     tensors = {"dists": dists, "ids": ids, "context": context}
-    off_device = [name for name, t in tensors.items() if t.device != device]
+    home = corpus.tokens.device  # "cuda" resolved to the index it names, e.g. cuda:0
+    off_device = [name for name, t in tensors.items() if t.device != home]
 
     hit = (ids == source[:, None]).any(1).float().mean().item()
     same_topic = (corpus.topic[ids] == corpus.topic[source][:, None]).float().mean().item()
@@ -128,7 +129,7 @@ def main() -> int:
 
     failures = []
     if off_device:
-        failures.append(f"{off_device} left {device}")
+        failures.append(f"{off_device} left {home}")
     if hit < 0.9:
         failures.append(f"quoted passage found for only {hit:.3f} of the queries (< 0.9)")
     if same_topic < 0.8:
