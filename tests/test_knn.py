@@ -5,11 +5,8 @@ import torch
 import torch_grnnd as grnnd
 from conftest import clustered, exact_neighbours
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.cuda,
-                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
-]
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])]
 
 
 def true_distances(data, queries, ids, metric):
@@ -32,6 +29,13 @@ def assert_same_neighbours(dists, ids, ref_dists, ref_ids, data, queries, metric
     if differs.any():
         own = true_distances(data, queries, ids, metric).float()
         torch.testing.assert_close(own[differs], ref_dists[differs], rtol=rtol, atol=atol)
+
+
+def assert_matches_faiss(data, queries, k, device):
+    """knn on `device` against faiss-cpu's exact l2 search of the same float32 rows."""
+    dists, ids = grnnd.knn(data.to(device), queries.to(device), k)
+    ref_dists, ref_ids = exact_neighbours(data, queries, k)
+    assert_same_neighbours(dists, ids, ref_dists, ref_ids, data, queries)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -89,36 +93,30 @@ def test_knn_half_storage_recall_against_float32_truth(device, dtype, min_recall
 def test_knn_large_k(device, k):
     data = clustered(5000, 24, 30, seed=6)
     queries = clustered(64, 24, 30, seed=7)
-    dists, ids = grnnd.knn(data.to(device), queries.to(device), k)
-    ref_dists, ref_ids = exact_neighbours(data, queries, k)
-    assert_same_neighbours(dists, ids, ref_dists, ref_ids, data, queries)
+    assert_matches_faiss(data, queries, k, device)
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@requires_cuda
 def test_knn_cuda_streams_over_many_tiles():
     # 20k queries make the CUDA kernel split the queries into blocks and the data into several
     # tiles, so running results must carry over between tiles and query blocks.
     data = clustered(40_000, 32, 200, seed=8)
     queries = clustered(20_000, 32, 200, seed=9)
-    dists, ids = grnnd.knn(data.cuda(), queries.cuda(), 10)
-    ref_dists, ref_ids = exact_neighbours(data, queries, 10)
-    assert_same_neighbours(dists, ids, ref_dists, ref_ids, data, queries)
+    assert_matches_faiss(data, queries, 10, "cuda")
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@requires_cuda
 def test_knn_cuda_large_magnitudes():
     # Values far outside float16's range: the float32 path scales before rounding its operands.
     data = clustered(3000, 40, 20, seed=10) * 1e6
     queries = clustered(100, 40, 20, seed=11) * 1e6
-    dists, ids = grnnd.knn(data.cuda(), queries.cuda(), 10)
-    ref_dists, ref_ids = exact_neighbours(data, queries, 10)
-    assert_same_neighbours(dists, ids, ref_dists, ref_ids, data, queries)
+    assert_matches_faiss(data, queries, 10, "cuda")
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@requires_cuda
 def test_knn_cuda_matches_cpu_on_current_stream():
     data = clustered(4000, 48, 40, seed=12)
     queries = clustered(300, 48, 40, seed=13)
