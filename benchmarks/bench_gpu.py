@@ -2,14 +2,19 @@
 
     python benchmarks/bench_gpu.py --data clustered:n=1000000,d=128,clusters=1000,queries=10000 --out DIR
     python benchmarks/bench_gpu.py --data .data/text/embeddings.pt --ablation --out DIR
+    python benchmarks/bench_gpu.py --data .data/text/embeddings.pt:pca=128 --small-batches --out DIR
 
 Measures (CUDA events, after a warm-up; extension compile excluded):
   - plain PyTorch brute force (x_norm - 2 q @ X.T + topk) at float32 / float16: QPS and recall@10;
   - torch_grnnd build time, peak extra GPU memory, out-degree;
-  - torch_grnnd search QPS-recall@10 curve at batch --batch, sweeping list_size (and search_width);
+  - torch_grnnd search QPS-recall@10 curve at batch --batch, sweeping list_size (and search_width),
+    with the distances computed per query (search_distance_counts);
   - with --ablation: update order and reverse_ratio sweeps (build time, recall at list 64);
   - with --exact-graph: plain-PyTorch exact k-NN graph (k = degree) of all points, float16;
-  - with --small-batches: wall-clock latency of batches of 1, 100 and 1000 queries.
+  - with --small-batches: wall-clock latency of batches of 1, 100 and 1000 queries, for each
+    list size and number of searches per query (--split-searches; 0 = the automatic choice).
+A data path may end in ``:pca=D``: base and queries projected on the base's top D principal
+directions (fitted on a 100k-row sample) and normalised again, a lower-dimensional real set.
 Writes gpu_<data>.{json,md,png} under --out.
 """
 import argparse
@@ -46,9 +51,18 @@ def load_data(spec: str, device: str):
         x = centres[labels] + torch.randn(n + nq, d, generator=g, device=device)
         x = x.half()
         return f"clustered-{n // 1000}k-d{d}-c{clusters}", x[:n].contiguous(), x[n:].contiguous(), None
-    blob = torch.load(spec, map_location=device)
-    gt = blob.get("gt")
-    return os.path.splitext(os.path.basename(spec))[0], blob["base"].contiguous(), blob["queries"].contiguous(), gt
+    path, _, opts = spec.partition(":")
+    blob = torch.load(path, map_location=device)
+    base, queries, gt = blob["base"].contiguous(), blob["queries"].contiguous(), blob.get("gt")
+    name = os.path.splitext(os.path.basename(path))[0]
+    if opts.startswith("pca="):
+        dim = int(opts[4:])
+        sample = base[torch.randperm(base.shape[0], device=device)[:100_000]].float()
+        mean = sample.mean(0)
+        _, _, v = torch.linalg.svd(sample - mean, full_matrices=False)
+        project = lambda t: torch.nn.functional.normalize((t.float() - mean) @ v[:dim].T, dim=1).half()  # noqa: E731
+        base, queries, gt, name = project(base).contiguous(), project(queries).contiguous(), None, f"{name}-pca{dim}"
+    return name, base, queries, gt
 
 
 def brute_force(base: torch.Tensor, queries: torch.Tensor, k: int, dtype: torch.dtype, chunk: int = 2048):
@@ -82,11 +96,45 @@ def search_curve(base, graph, queries, gt, batch, lists, widths):
             run = lambda: grnnd.search(base, graph, q, 10, list_size=lst, search_width=width)  # noqa: E731
             run()
             (_, ids), secs = cuda_time(run, repeat=3)
+            counts = grnnd.search_distance_counts(base, graph, q, 10, list_size=lst, search_width=width)
             curve.append({"param": f"list={lst},width={width}", "recall": grnnd.recall(ids, gt[:batch], 10),
-                          "qps": q.shape[0] / secs})
+                          "qps": q.shape[0] / secs, "dists_per_query": counts.float().mean().item()})
             print(f"  search list={lst:4d} width={width}: recall@10 {curve[-1]['recall']:.4f} "
-                  f"{curve[-1]['qps']:12,.0f} q/s", flush=True)
+                  f"{curve[-1]['qps']:12,.0f} q/s, {curve[-1]['dists_per_query']:,.0f} distances/query", flush=True)
     return curve
+
+
+def small_batches(base, graph, queries, gt, lists, searches, batches=(1, 100, 1000), spread=1000):
+    """Latency as a caller sees it: back-to-back calls from Python, wall clock, synchronised.
+
+    Consecutive calls take consecutive slices of the first ``spread`` queries (at least one
+    batch), so the recall of a batch of 1 is measured over many queries, not one."""
+    rows = []
+    for batch in batches:
+        slices = [queries[s:s + batch] for s in range(0, max(spread, batch), batch)]
+        truth = gt[:len(slices) * batch]
+        for lst in lists:
+            for split in searches:
+                run = lambda q: grnnd.search(base, graph, q, 10, list_size=lst, searches=split)  # noqa: E731
+                run(slices[0])
+                torch.cuda.synchronize()
+                rounds = max(1, 200 // len(slices))
+                start = time.perf_counter()
+                for _ in range(rounds):
+                    ids = [run(q)[1] for q in slices]
+                torch.cuda.synchronize()
+                ms = (time.perf_counter() - start) / (rounds * len(slices)) * 1000
+                counts = torch.cat([grnnd.search_distance_counts(base, graph, q, 10, list_size=lst, searches=split)
+                                    for q in slices])
+                rows.append([batch, lst, split or "auto", ms, batch / ms * 1000,
+                             grnnd.recall(torch.cat(ids), truth, 10), counts.float().mean().item()])
+                print(f"  small batch batch={batch} list={lst} searches={split or 'auto'}: {ms:.3f} ms/call, "
+                      f"{rows[-1][4]:,.0f} q/s, recall@10 {rows[-1][5]:.4f}, {rows[-1][6]:,.0f} distances/query",
+                      flush=True)
+    return {"title": "Small batches, back-to-back calls of torch.ops.grnnd.search from Python (wall clock); "
+                     "recall over the first 1000 queries, taken a batch per call:",
+            "columns": ["batch", "list", "searches", "ms per call", "queries/s", "recall@10", "distances/query"],
+            "rows": rows}
 
 
 def main():
@@ -99,6 +147,8 @@ def main():
     p.add_argument("--ablation", action="store_true")
     p.add_argument("--exact-graph", action="store_true")
     p.add_argument("--small-batches", action="store_true", help="latency of batches of 1, 100 and 1000")
+    p.add_argument("--small-lists", default="32,64,96", help="list sizes of --small-batches")
+    p.add_argument("--split-searches", default="0,1", help="searches per query of --small-batches (0 = auto)")
     p.add_argument("--build", default="", help="build params, e.g. pool_size=64,inner_iters=8")
     args = p.parse_args()
     device = "cuda"
@@ -138,26 +188,9 @@ def main():
                     "curve": search_curve(base, graph, queries, gt, args.batch, lists, widths)})
 
     if args.small_batches:
-        # Latency as a caller sees it: back-to-back calls from Python, wall clock, synchronised.
-        rows = []
-        for lst in (64, 96, 128):
-            for batch in (1, 100, 1000):
-                q = queries[:batch]
-                run = lambda: grnnd.search(base, graph, q, 10, list_size=lst)  # noqa: E731
-                run()
-                torch.cuda.synchronize()
-                calls = 200 if batch < 1000 else 50
-                start = time.perf_counter()
-                for _ in range(calls):
-                    _, ids = run()
-                torch.cuda.synchronize()
-                ms = (time.perf_counter() - start) / calls * 1000
-                rows.append([lst, batch, ms, batch / ms * 1000, grnnd.recall(ids, gt[:batch], 10)])
-                print(f"  small batch list={lst} batch={batch}: {ms:.3f} ms/call, {rows[-1][3]:,.0f} q/s, "
-                      f"recall@10 {rows[-1][4]:.4f}", flush=True)
-        extra.setdefault("tables", []).append({
-            "title": "Small batches, back-to-back calls of torch.ops.grnnd.search from Python (wall clock):",
-            "columns": ["list", "batch", "ms per call", "queries/s", "recall@10"], "rows": rows})
+        extra.setdefault("tables", []).append(small_batches(
+            base, graph, queries, gt, [int(v) for v in args.small_lists.split(",")],
+            [int(v) for v in args.split_searches.split(",")]))
 
     if args.ablation:
         rows = []

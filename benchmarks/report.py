@@ -99,7 +99,9 @@ def markdown(results: dict, target: float = 0.95) -> str:
         lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in table["rows"]]
     lines += ["", "Curves (search parameter: recall@10, QPS):", ""]
     for meth in results["methods"]:
-        pts = ", ".join(f"{c['param']}: {c['recall']:.4f} @ {c['qps']:,.0f}" for c in meth["curve"])
+        pts = ", ".join(f"{c['param']}: {c['recall']:.4f} @ {c['qps']:,.0f}"
+                        + (f" ({c['dists_per_query']:,.0f} distances/query)" if "dists_per_query" in c else "")
+                        for c in meth["curve"])
         lines.append(f"- **{meth['name']}** ({meth.get('sweep', 'param')}): {pts}")
     return "\n".join(lines) + "\n"
 

@@ -1,6 +1,7 @@
 #include "params.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <c10/util/Exception.h>
 
@@ -40,16 +41,28 @@ BuildParams make_build_params(int64_t degree, int64_t initial_degree, int64_t po
           parse_update_order(update_order), parse_metric(metric),        static_cast<uint64_t>(seed)};
 }
 
-SearchParams make_search_params(int64_t k, int64_t list_size, int64_t search_width,
-                                       int64_t max_iters, const std::string& metric, int64_t seed) {
+SearchParams make_search_params(int64_t k, int64_t list_size, int64_t search_width, int64_t max_iters,
+                                const std::string& metric, int64_t seed, int64_t searches) {
   TORCH_CHECK_VALUE(k >= 1, "k: expected >= 1, got ", k);
   const int64_t list = list_size > 0 ? list_size : std::max<int64_t>(k, 64);
   TORCH_CHECK_VALUE(list <= kMaxListSize, "list_size: expected <= ", kMaxListSize, ", got ", list);
   TORCH_CHECK_VALUE(k <= list, "k: expected <= list_size (", list, "), got ", k);
   TORCH_CHECK_VALUE(search_width >= 1 && search_width <= 32, "search_width: expected 1..32, got ", search_width);
   TORCH_CHECK_VALUE(max_iters >= 0, "max_iters: expected >= 0, got ", max_iters);
-  return {static_cast<int>(k), static_cast<int>(list), static_cast<int>(search_width),
-          static_cast<int>(max_iters), parse_metric(metric), static_cast<uint64_t>(seed)};
+  TORCH_CHECK_VALUE(searches >= 0 && searches <= kMaxSearches, "searches: expected 0 (automatic) .. ",
+                    kMaxSearches, ", got ", searches);
+  TORCH_CHECK_VALUE(searches * k <= kMaxMergeKeys, "searches * k: expected <= ", kMaxMergeKeys,
+                    " (the merged candidates of a query), got ", searches, " * ", k);
+  return {static_cast<int>(k),         static_cast<int>(list), static_cast<int>(search_width),
+          static_cast<int>(max_iters), parse_metric(metric),   static_cast<uint64_t>(seed),
+          static_cast<int>(searches)};
+}
+
+int list_per_search(int list_size, int k, int searches) {
+  if (searches <= 1) return list_size;
+  const int split = static_cast<int>(std::ceil(2.0 * list_size / std::sqrt(static_cast<double>(searches))));
+  const int floor = std::max(k, (list_size + 1) / 2);  // deep enough for the last few neighbours
+  return std::clamp(split, std::min(floor, list_size), list_size);
 }
 
 }  // namespace grnnd

@@ -19,6 +19,9 @@ def main():
         grnnd.search(data, graph, data.repeat(2, 1), 10, list_size=32, metric=metric)  # 64-thread blocks
         allowed = torch.rand(1500, generator=g, device="cuda") < 0.3
         grnnd.search(data, graph, data[:16], 10, list_size=256, metric=metric, filter=allowed)
+        # Split queries (small batches split automatically too): merges of 320 and 800 keys.
+        grnnd.search_distance_counts(data, graph, data[:3], 10, list_size=32, searches=32, metric=metric)
+        grnnd.search(data, graph, data[:5], 100, list_size=128, searches=8, metric=metric)
     grnnd.build(torch.randn(1500, 16, device="cuda"), update_order="ascending", outer_iters=1, inner_iters=2)
     for dtype, metric, k in [(torch.float32, "l2", 10), (torch.float16, "cosine", 300), (torch.bfloat16, "ip", 1)]:
         data = torch.randn(3000, 24, generator=g, device="cuda").to(dtype)

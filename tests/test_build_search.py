@@ -56,6 +56,52 @@ def test_search_results_sorted_unique(blobs, blobs_graph):
     torch.testing.assert_close(dists, exact, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("searches", [2, 8])
+def test_split_search_results(blobs, blobs_graph, searches):
+    """A query answered by several independent searches (params.h): the merged results are
+    ascending, distinct and exact, and the work (distances computed) grows with the searches."""
+    data, queries = blobs
+    dists, ids = grnnd.search(data, blobs_graph, queries, 10, list_size=32, searches=searches)
+    assert (dists.diff(dim=1) >= 0).all()
+    assert (ids.sort(1).values.diff(dim=1) != 0).all()
+    torch.testing.assert_close(dists, (data[ids] - queries.unsqueeze(1)).pow(2).sum(-1), rtol=1e-4, atol=1e-4)
+    single = grnnd.search_distance_counts(data, blobs_graph, queries, 10, list_size=32, searches=1)
+    split = grnnd.search_distance_counts(data, blobs_graph, queries, 10, list_size=32, searches=searches)
+    assert split.float().mean() > 1.5 * single.float().mean()
+
+
+def test_split_search_recall(blobs, blobs_truth, blobs_graph):
+    """Splitting buys recall where one search is short of it, and costs little where one search
+    is already near 0.99 (the documented trade-off in params.h)."""
+    data, queries = blobs
+
+    def recall(list_size, searches):
+        return grnnd.recall(grnnd.search(data, blobs_graph, queries, 10, list_size=list_size, searches=searches)[1],
+                            blobs_truth)
+
+    assert recall(16, 8) >= recall(16, 1) + 0.01
+    assert recall(32, 8) >= recall(32, 1) - 0.015
+
+
+def test_cpu_searches_once_unless_asked(blobs, blobs_graph):
+    data, queries = blobs
+    auto = grnnd.search(data, blobs_graph, queries[:3], 10)
+    one = grnnd.search(data, blobs_graph, queries[:3], 10, searches=1)
+    assert torch.equal(auto[1], one[1]) and torch.equal(auto[0], one[0])
+
+
+def test_distance_counts(blobs, blobs_graph):
+    data, queries = blobs
+    counts = {lst: grnnd.search_distance_counts(data, blobs_graph, queries, 10, list_size=lst) for lst in (16, 64)}
+    assert counts[16].dtype == torch.int32 and counts[16].shape == (queries.shape[0],)
+    # Every search computes at least its entry points (one per list slot) and at most every row.
+    assert (counts[16] >= 16).all() and (counts[64] >= 64).all() and (counts[64] <= data.shape[0]).all()
+    assert counts[64].float().mean() > counts[16].float().mean()
+    # One iteration: the entry points plus the neighbours of one parent (out-degree 32).
+    one_step = grnnd.search_distance_counts(data, blobs_graph, queries, 10, list_size=16, max_iters=1)
+    assert (one_step <= 16 + 32).all() and (one_step > 16).any()
+
+
 def test_larger_list_raises_recall(blobs, blobs_truth, blobs_graph):
     data, queries = blobs
     recalls = [grnnd.recall(grnnd.search(data, blobs_graph, queries, 10, list_size=s)[1], blobs_truth)

@@ -119,6 +119,13 @@ def test_search_parameter_checks():
         grnnd.search(X, G, X[:2], 2, list_size=5000)
     with pytest.raises(ValueError, match="max_iters: expected >= 0"):
         grnnd.search(X, G, X[:2], 2, max_iters=-3)
+    with pytest.raises(ValueError, match=r"searches: expected 0 \(automatic\) .. 32, got 33"):
+        grnnd.search(X, G, X[:2], 2, searches=33)
+    with pytest.raises(ValueError, match="searches: expected 0"):
+        grnnd.search_distance_counts(X, G, X[:2], 2, searches=-1)
+    rows = torch.randn(200, 8)
+    with pytest.raises(ValueError, match=r"searches \* k: expected <= 4096"):
+        grnnd.search(rows, grnnd.build(rows, degree=8, pool_size=16), rows[:2], 130, list_size=256, searches=32)
     with pytest.raises(ValueError, match='flow: expected "source_to_target"'):
         grnnd.knn_graph(X, 3, flow="up")
 

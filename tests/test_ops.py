@@ -20,6 +20,8 @@ GRAPH = grnnd.build(DATA, degree=8, pool_size=16, initial_degree=8)
         (torch.ops.grnnd.build.default, (DATA.half(),), dict(degree=8, pool_size=16, initial_degree=8, metric="cosine")),
         (torch.ops.grnnd.search.default, (DATA, GRAPH, QUERIES, 5), dict(list_size=16)),
         (torch.ops.grnnd.search.default, (DATA, GRAPH, QUERIES, 5), dict(filter=torch.arange(60) % 2 == 0)),
+        (torch.ops.grnnd.search.default, (DATA, GRAPH, QUERIES, 5), dict(list_size=16, searches=3)),
+        (torch.ops.grnnd.search_distance_counts.default, (DATA, GRAPH, QUERIES, 5), dict(searches=2)),
         (torch.ops.grnnd.knn.default, (DATA, QUERIES, 5), dict(metric="ip")),
         (torch.ops.grnnd.knn_graph.default, (DATA, 4), dict()),
         (torch.ops.grnnd.knn_graph.default, (DATA, 4), dict(exact=True)),
@@ -117,6 +119,7 @@ def test_retriever_search_replays_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize("wrapper, op", [(grnnd.build, torch.ops.grnnd.build), (grnnd.search, torch.ops.grnnd.search),
+                                         (grnnd.search_distance_counts, torch.ops.grnnd.search_distance_counts),
                                          (grnnd.knn, torch.ops.grnnd.knn)])
 def test_python_defaults_equal_schema_defaults(wrapper, op):
     schema = {a.name: a.default_value for a in op.default._schema.arguments if a.has_default_value()}

@@ -167,13 +167,14 @@ def test_filter_with_large_shared_memory(points, graph_for):
     assert (ids[:, :K] >= 0).all()
 
 
+@pytest.mark.parametrize("batch", [256, 4])  # 4: split into several searches per query
 @pytest.mark.parametrize("metric", ["l2", "cosine"])
-def test_cuda_graph_capture(points, graph_for, metric):
+def test_cuda_graph_capture(points, graph_for, metric, batch):
     data, graph = points[0].cuda(), graph_for(metric).cuda()
     queries = points[1].cuda()
     allowed = (torch.arange(N) % 3 != 0).cuda()
     kw = dict(list_size=64, search_width=2, metric=metric, filter=allowed)
-    static_q = queries[:256].clone()
+    static_q = queries[:batch].clone()
     eager = grnnd.search(data, graph, static_q, K, **kw)
 
     side = torch.cuda.Stream()
@@ -189,25 +190,82 @@ def test_cuda_graph_capture(points, graph_for, metric):
     torch.cuda.synchronize()
     assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
 
-    static_q.copy_(queries[256:512])  # new inputs in the same buffer, replayed
+    static_q.copy_(queries[batch:2 * batch])  # new inputs in the same buffer, replayed
     g.replay()
-    fresh = grnnd.search(data, graph, queries[256:512].clone(), K, **kw)
+    fresh = grnnd.search(data, graph, queries[batch:2 * batch].clone(), K, **kw)
     torch.cuda.synchronize()
     assert torch.equal(captured[0], fresh[0]) and torch.equal(captured[1], fresh[1])
 
 
+@pytest.mark.parametrize("searches", [1, 8])
 @pytest.mark.parametrize("list_size", [32, 128, 512])
-def test_results_do_not_depend_on_the_batch_size(points, graph_for, list_size):
+def test_results_do_not_depend_on_the_batch_size(points, graph_for, list_size, searches):
     # The block size follows the batch (64 threads per query for batches that fill the GPU,
-    # 256 for a few queries); a query's search, and so its result, is the same either way.
+    # 256 for a few queries); with the number of searches per query fixed, a query's search,
+    # and so its result, is the same either way.
     data, queries = points
     graph = graph_for("l2").cuda()
     x = data.cuda()
     many = torch.cat([queries] * 20).cuda()  # 20 000 queries: more than 8 per SM on any GPU
-    d_all, i_all = grnnd.search(x, graph, many, K, list_size=list_size)
+    d_all, i_all = grnnd.search(x, graph, many, K, list_size=list_size, searches=searches)
     for batch in (1, 50, 500):
-        d, i = grnnd.search(x, graph, many[:batch], K, list_size=list_size)
+        d, i = grnnd.search(x, graph, many[:batch], K, list_size=list_size, searches=searches)
         assert torch.equal(i, i_all[:batch]) and torch.equal(d, d_all[:batch])
+
+
+@pytest.mark.parametrize("searches", [4, 16])
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_split_search_matches_cpu(points, graph_for, metric, searches):
+    """Several searches per query: same recall and about the same work as the CPU twin."""
+    data, queries = points[0], points[1][:300]
+    graph = graph_for(metric)
+    truth = exact(data, queries, K, metric)
+    for list_size in (32, 64):
+        kw = dict(list_size=list_size, metric=metric, searches=searches)
+        _, cpu_ids = grnnd.search(data, graph, queries, K, **kw)
+        dists, ids = grnnd.search(data.cuda(), graph.cuda(), queries.cuda(), K, **kw)
+        check_rows(dists, ids, N)
+        ref = reference_distances(data, queries, ids, metric).float()
+        torch.testing.assert_close(dists.cpu(), ref, rtol=1e-3, atol=1e-3)
+        gpu, cpu = grnnd.recall(ids, truth), grnnd.recall(cpu_ids, truth)
+        assert gpu >= cpu - 0.01, f"list_size={list_size}: CUDA recall {gpu:.4f} < CPU recall {cpu:.4f} - 0.01"
+        # The GPU's visited hash may forget and recompute; the CPU's never does.
+        cpu_work = grnnd.search_distance_counts(data, graph, queries, K, **kw).double().mean()
+        gpu_work = grnnd.search_distance_counts(data.cuda(), graph.cuda(), queries.cuda(), K, **kw).double().mean()
+        assert 0.95 * cpu_work <= gpu_work <= 1.15 * cpu_work, f"distances/query: CUDA {gpu_work}, CPU {cpu_work}"
+
+
+def test_split_search_with_filter(points, graph_for):
+    data, queries = points[0], points[1][:300]
+    graph = graph_for("l2")
+    allowed = torch.rand(N, generator=torch.Generator().manual_seed(4)) < 0.5
+    allowed_ids = allowed.nonzero().squeeze(1)
+    truth = allowed_ids[exact(data[allowed], queries, K, "l2")]
+    kw = dict(list_size=256, searches=4)
+    dists, ids = grnnd.search(data.cuda(), graph.cuda(), queries.cuda(), K, filter=allowed.cuda(), **kw)
+    check_rows(dists, ids, N)
+    assert allowed[ids[ids >= 0].cpu()].all(), "a filtered-out id was returned"
+    _, cpu_ids = grnnd.search(data, graph, queries, K, filter=allowed, **kw)
+    assert grnnd.recall(ids, truth) >= max(0.9, grnnd.recall(cpu_ids, truth) - 0.01)
+
+
+def test_small_batches_are_split_automatically(points, graph_for):
+    """A batch too small to fill the GPU is split into several searches per query (more work
+    per query, found by counting distances); one that fills it is not."""
+    data, graph = points[0].cuda(), graph_for("l2").cuda()
+    queries = points[1].cuda()
+    small = queries[:4]
+    auto = grnnd.search_distance_counts(data, graph, small, K, list_size=64)
+    single = grnnd.search_distance_counts(data, graph, small, K, list_size=64, searches=1)
+    assert auto.double().mean() > 2 * single.double().mean()
+    many = torch.cat([queries] * 20)
+    assert torch.equal(grnnd.search_distance_counts(data, graph, many, K, list_size=64),
+                       grnnd.search_distance_counts(data, graph, many, K, list_size=64, searches=1))
+    # Recall over the first 400 queries, asked 4 at a time, against one search per query.
+    truth = exact(points[0], points[1][:400], K, "l2")
+    split_ids = torch.cat([grnnd.search(data, graph, q, K, list_size=64)[1] for q in queries[:400].split(4)])
+    _, single_ids = grnnd.search(data, graph, queries[:400], K, list_size=64, searches=1)
+    assert grnnd.recall(split_ids, truth) >= grnnd.recall(single_ids, truth) - 0.01
 
 
 def test_non_default_stream_and_repeatability(points, graph_for):

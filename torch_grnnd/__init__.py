@@ -16,7 +16,7 @@ from . import nn
 from .eval import recall
 from .graph import knn_graph
 from .index import Index
-from .ops import build, knn, search
+from .ops import build, knn, search, search_distance_counts
 
-__all__ = ["Index", "build", "search", "knn", "knn_graph", "recall", "nn"]
+__all__ = ["Index", "build", "search", "search_distance_counts", "knn", "knn_graph", "recall", "nn"]
 __version__ = "0.1.0"

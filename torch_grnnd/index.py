@@ -40,10 +40,11 @@ class Index:
         return cls(data, graph, metric, build_params)
 
     def search(self, queries: Tensor, k: int = 10, *, list_size: int = 0, search_width: int = 1,
-               max_iters: int = 0, seed: int = 0, filter: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+               max_iters: int = 0, seed: int = 0, filter: Optional[Tensor] = None,
+               searches: int = 0) -> Tuple[Tensor, Tensor]:
         """``(dists, ids)`` of the k nearest rows of each query; see :func:`torch_grnnd.search`."""
         return ops.search(self.data, self.graph, queries, k, list_size=list_size, search_width=search_width,
-                          max_iters=max_iters, metric=self.metric, seed=seed, filter=filter)
+                          max_iters=max_iters, metric=self.metric, seed=seed, filter=filter, searches=searches)
 
     def __len__(self) -> int:
         return self.data.shape[0]

@@ -99,12 +99,21 @@ def search(
     metric: Metric = "l2",
     seed: int = 0,
     filter: Optional[Tensor] = None,
+    searches: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     """Approximate k nearest neighbours of each query by greedy search over ``graph``.
 
     Keeps the best ``list_size`` nodes seen; each iteration expands the ``search_width`` best
     not yet expanded; stops when none is left (or after ``max_iters``). A larger list raises
     recall at the cost of speed.
+
+    A query may be answered by several independent searches whose results are merged: each
+    starts from its own random entry points and keeps a list of about
+    ``2 * list_size / sqrt(searches)`` (at least ``k``, at most ``list_size``). On CUDA they run
+    side by side, which is how a small batch uses the whole GPU; by default (``searches=0``) the
+    CUDA search splits the queries of a batch too small to fill the GPU, so the same query may
+    get slightly different neighbours in a batch of 1 than in a batch of 10 000; pass
+    ``searches=1`` to rule that out. The CPU splits only when asked.
 
     Args:
         data, graph: the vectors and the graph ``build`` made of them.
@@ -116,6 +125,8 @@ def search(
         metric: must be the metric the graph was built with.
         seed: seeds the random entry points.
         filter: optional bool [N]; rows marked False are traversed but never returned.
+        searches: independent searches per query (0 = automatic, at most 32, and
+            ``searches * k <= 4096``).
 
     Returns:
         ``(dists float32 [Q, k], ids int64 [Q, k])`` ascending by distance; where fewer than
@@ -139,6 +150,42 @@ def search(
         metric=metric,
         seed=seed,
         filter=filter,
+        searches=searches,
+    )
+
+
+def search_distance_counts(
+    data: Tensor,
+    graph: Tensor,
+    queries: Tensor,
+    k: int,
+    *,
+    list_size: int = 0,
+    search_width: int = 1,
+    max_iters: int = 0,
+    metric: Metric = "l2",
+    seed: int = 0,
+    filter: Optional[Tensor] = None,
+    searches: int = 0,
+) -> Tensor:
+    """How many distances :func:`search` computes for each query (int32 [Q]), with the same arguments.
+
+    Runs the same search and counts instead of returning results: the work behind a point on a
+    recall/throughput curve. On CUDA a node the visited hash forgot and met again is counted
+    each time it is computed; the CPU never forgets, so its counts can be slightly lower.
+    """
+    return torch.ops.grnnd.search_distance_counts.default(
+        data,
+        graph,
+        queries,
+        k,
+        list_size=list_size,
+        search_width=search_width,
+        max_iters=max_iters,
+        metric=metric,
+        seed=seed,
+        filter=filter,
+        searches=searches,
     )
 
 
@@ -183,6 +230,12 @@ def _build_fake(data, *, degree=_DEFAULT_DEGREE, **_):
 @torch.library.register_fake("grnnd::search")
 def _search_fake(data, graph, queries, k, *_, **__):
     return _query_outputs(data, queries, k)
+
+
+@torch.library.register_fake("grnnd::search_distance_counts")
+def _search_distance_counts_fake(data, graph, queries, k, *_, **__):
+    _query_outputs(data, queries, k)
+    return queries.new_empty((queries.shape[0],), dtype=torch.int32)
 
 
 @torch.library.register_fake("grnnd::knn")

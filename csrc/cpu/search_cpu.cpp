@@ -3,7 +3,8 @@
 // The fixed-size-list greedy search of CAGRA (seed 002): keep the best `list_size` nodes seen,
 // each iteration expand the `search_width` best not yet expanded, stop when none is left or
 // after `max_iters` iterations. Entry points are random (seeded per query), so disconnected
-// parts of a graph are still reachable.
+// parts of a graph are still reachable. A query answered by several searches (params.h) runs
+// them one after another and merges their results.
 #include <algorithm>
 #include <limits>
 #include <vector>
@@ -41,6 +42,7 @@ class SortedList {
     if (static_cast<int>(items_.size()) > capacity_) items_.pop_back();
   }
   std::vector<Candidate>& items() { return items_; }
+  int capacity() const { return capacity_; }
 
  private:
   int capacity_;
@@ -68,13 +70,77 @@ class Visited {
   uint32_t current_ = 0;
 };
 
-std::tuple<at::Tensor, at::Tensor> search_cpu(const at::Tensor& data, const at::Tensor& graph,
-                                              const at::Tensor& queries, int64_t k, int64_t list_size,
-                                              int64_t search_width, int64_t max_iters, c10::string_view metric,
-                                              int64_t seed, const c10::optional<at::Tensor>& filter) {
-  check_search_inputs(data, graph, queries, k, filter, /*read_contents=*/true);
-  const SearchParams p = make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed);
+// One thread's scratch for searching, reused across its queries.
+class Searcher {
+ public:
+  Searcher(int64_t n, int list_size, int k) : visited_(n), list_(list_size), results_(k) {}
 
+  // Search number `search` of query `qi`: entry points drawn from counter (qi, search, e), as the
+  // GPU draws them. Returns its best nodes ascending (the allowed ones when `allowed` is set) and
+  // adds the distances it computed to `evaluated`.
+  const std::vector<Candidate>& run(const VectorSet& vectors, const float* query, const int32_t* adjacency,
+                                    int64_t degree, const bool* allowed, const SearchParams& p, int64_t n,
+                                    uint32_t qi, uint32_t search, int64_t& evaluated) {
+    visited_.next_query();
+    list_.clear();
+    results_.clear();
+    // With a filter, every node whose distance is computed competes for the results; allowed
+    // or not, it still steers the traversal through the list.
+    auto consider_fresh = [&] {
+      evaluated += static_cast<int64_t>(fresh_.size());
+      for (const int32_t id : fresh_) {
+        const float d = vectors.to(query, id);
+        list_.insert({d, id, false});
+        if (allowed != nullptr && allowed[id]) results_.insert({d, id, true});
+      }
+    };
+    fresh_.clear();
+    const int entries = static_cast<int>(std::min<int64_t>(list_.capacity(), n));
+    for (int e = 0; e < entries; ++e) {
+      const uint32_t r = random_u32(p.seed, Stream::kEntryPoints, qi, search, static_cast<uint32_t>(e));
+      const int32_t id = static_cast<int32_t>(random_below(r, static_cast<uint32_t>(n)));
+      if (!visited_.test_and_set(id)) {
+        vectors.prefetch(id);
+        fresh_.push_back(id);
+      }
+    }
+    consider_fresh();
+    for (int iter = 0; p.max_iters == 0 || iter < p.max_iters; ++iter) {
+      parents_.clear();
+      for (Candidate& c : list_.items()) {
+        if (!c.expanded) {
+          c.expanded = true;
+          parents_.push_back(c.id);
+          if (static_cast<int>(parents_.size()) == p.search_width) break;
+        }
+      }
+      if (parents_.empty()) break;
+      fresh_.clear();
+      for (const int32_t parent : parents_) {
+        const int32_t* row = adjacency + static_cast<int64_t>(parent) * degree;
+        for (int64_t j = 0; j < degree && row[j] >= 0; ++j) {
+          if (!visited_.test_and_set(row[j])) {
+            vectors.prefetch(row[j]);
+            fresh_.push_back(row[j]);
+          }
+        }
+      }
+      consider_fresh();
+    }
+    return allowed != nullptr ? results_.items() : list_.items();
+  }
+
+ private:
+  Visited visited_;
+  SortedList list_, results_;
+  std::vector<int32_t> parents_, fresh_;
+};
+
+// Runs the search of every query; fills the results, or with `counts` set only the number of
+// distances each query computed.
+void run_search(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries,
+                const c10::optional<at::Tensor>& filter, const SearchParams& p, float* dist_out, int64_t* id_out,
+                int32_t* counts) {
   const int64_t n = data.size(0), nq = queries.size(0), degree = graph.size(1);
   const at::Tensor x = prepare_vectors(data, p.metric), q = prepare_vectors(queries, p.metric);
   const VectorSet vectors{x.data_ptr<float>(), x.size(1), p.metric};
@@ -82,75 +148,74 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const at::Tensor& data, const at::
   const int32_t* adjacency = g.data_ptr<int32_t>();
   const at::Tensor allowed_t = filter.has_value() ? filter->contiguous() : at::Tensor();
   const bool* allowed = filter.has_value() ? allowed_t.data_ptr<bool>() : nullptr;
-  const int entries = static_cast<int>(std::min<int64_t>(p.list_size, n));
-
-  at::Tensor out_dists = at::full({nq, p.k}, std::numeric_limits<float>::infinity(), queries.options().dtype(at::kFloat));
-  at::Tensor out_ids = at::full({nq, p.k}, -1, queries.options().dtype(at::kLong));
-  float* dist_out = out_dists.data_ptr<float>();
-  int64_t* id_out = out_ids.data_ptr<int64_t>();
+  // One core already runs one query at full speed, so the CPU splits a query only when asked.
+  const int searches = std::max(p.searches, 1);
+  const int list = list_per_search(p.list_size, p.k, searches);
 
   at::parallel_for(0, nq, 16, [&](int64_t begin, int64_t end) {
-    Visited visited(n);
-    SortedList list(p.list_size), results(p.k);
-    std::vector<int32_t> parents, fresh;
+    Searcher searcher(n, list, p.k);
+    std::vector<Candidate> merged;
     for (int64_t qi = begin; qi < end; ++qi) {
       const float* query = q.data_ptr<float>() + qi * q.size(1);
-      visited.next_query();
-      list.clear();
-      results.clear();
-      // With a filter, every node whose distance is computed competes for the results,
-      // allowed or not it still steers the traversal through `list`.
-      auto consider = [&](int32_t id) {
-        const float d = vectors.to(query, id);
-        list.insert({d, id, false});
-        if (allowed != nullptr && allowed[id]) results.insert({d, id, true});
-      };
-      fresh.clear();
-      for (int e = 0; e < entries; ++e) {
-        const uint32_t r = random_u32(p.seed, Stream::kEntryPoints, static_cast<uint32_t>(qi), 0, e);
-        const int32_t id = static_cast<int32_t>(random_below(r, static_cast<uint32_t>(n)));
-        if (!visited.test_and_set(id)) {
-          vectors.prefetch(id);
-          fresh.push_back(id);
-        }
+      int64_t evaluated = 0;
+      merged.clear();
+      for (int s = 0; s < searches; ++s) {
+        const std::vector<Candidate>& best =
+            searcher.run(vectors, query, adjacency, degree, allowed, p, n, static_cast<uint32_t>(qi),
+                         static_cast<uint32_t>(s), evaluated);
+        merged.insert(merged.end(), best.begin(), best.begin() + std::min<size_t>(p.k, best.size()));
       }
-      for (const int32_t id : fresh) consider(id);
-      for (int iter = 0; p.max_iters == 0 || iter < p.max_iters; ++iter) {
-        parents.clear();
-        for (Candidate& c : list.items()) {
-          if (!c.expanded) {
-            c.expanded = true;
-            parents.push_back(c.id);
-            if (static_cast<int>(parents.size()) == p.search_width) break;
-          }
-        }
-        if (parents.empty()) break;
-        fresh.clear();
-        for (const int32_t parent : parents) {
-          const int32_t* row = adjacency + static_cast<int64_t>(parent) * degree;
-          for (int64_t j = 0; j < degree && row[j] >= 0; ++j) {
-            if (!visited.test_and_set(row[j])) {
-              vectors.prefetch(row[j]);
-              fresh.push_back(row[j]);
-            }
-          }
-        }
-        for (const int32_t id : fresh) consider(id);
+      if (counts != nullptr) {
+        counts[qi] = static_cast<int32_t>(std::min<int64_t>(evaluated, std::numeric_limits<int32_t>::max()));
+        continue;
       }
-      const std::vector<Candidate>& best = allowed != nullptr ? results.items() : list.items();
-      const int found = std::min<int>(p.k, static_cast<int>(best.size()));
-      for (int j = 0; j < found; ++j) {
-        dist_out[qi * p.k + j] = best[j].dist;
-        id_out[qi * p.k + j] = best[j].id;
+      // Several searches may have found the same node, with the same distance: equal keys end
+      // up adjacent, and only the first is kept.
+      std::sort(merged.begin(), merged.end(), closer);
+      int found = 0;
+      for (size_t i = 0; i < merged.size() && found < p.k; ++i) {
+        if (i > 0 && merged[i].id == merged[i - 1].id) continue;
+        dist_out[qi * p.k + found] = merged[i].dist;
+        id_out[qi * p.k + found] = merged[i].id;
+        ++found;
       }
     }
   });
+}
+
+std::tuple<at::Tensor, at::Tensor> search_cpu(const at::Tensor& data, const at::Tensor& graph,
+                                              const at::Tensor& queries, int64_t k, int64_t list_size,
+                                              int64_t search_width, int64_t max_iters, c10::string_view metric,
+                                              int64_t seed, const c10::optional<at::Tensor>& filter,
+                                              int64_t searches) {
+  check_search_inputs(data, graph, queries, k, filter, /*read_contents=*/true);
+  const SearchParams p =
+      make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
+  at::Tensor out_dists =
+      at::full({queries.size(0), p.k}, std::numeric_limits<float>::infinity(), queries.options().dtype(at::kFloat));
+  at::Tensor out_ids = at::full({queries.size(0), p.k}, -1, queries.options().dtype(at::kLong));
+  run_search(data, graph, queries, filter, p, out_dists.data_ptr<float>(), out_ids.data_ptr<int64_t>(), nullptr);
   return {out_dists, out_ids};
+}
+
+at::Tensor search_distance_counts_cpu(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries,
+                                      int64_t k, int64_t list_size, int64_t search_width, int64_t max_iters,
+                                      c10::string_view metric, int64_t seed,
+                                      const c10::optional<at::Tensor>& filter, int64_t searches) {
+  check_search_inputs(data, graph, queries, k, filter, /*read_contents=*/true);
+  const SearchParams p =
+      make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
+  at::Tensor counts = at::zeros({queries.size(0)}, queries.options().dtype(at::kInt));
+  run_search(data, graph, queries, filter, p, nullptr, nullptr, counts.data_ptr<int32_t>());
+  return counts;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(grnnd, CPU, m) { m.impl("search", &search_cpu); }
+TORCH_LIBRARY_IMPL(grnnd, CPU, m) {
+  m.impl("search", &search_cpu);
+  m.impl("search_distance_counts", &search_distance_counts_cpu);
+}
 
 }  // namespace cpu
 }  // namespace grnnd

@@ -17,9 +17,11 @@
 // from the list earlier, and as the list's worst key only improves it can never re-enter: it
 // costs one recomputed distance, nothing else.
 //
-// Not here yet: CAGRA's multi-CTA mode for small batches (seed 002, OB 10: a batch of 1-100
-// queries leaves most SMs idle with one block per query). A batch smaller than the SM count
-// runs correctly but slowly; splitting a query over several blocks is the next step.
+// Small batches (seed 002, OB 10: a batch of 1-100 queries leaves most SMs idle with one block per
+// query): a query is split into several independent searches, one block each, every one with
+// its own entry points and a shorter list (params.h, list_per_search); a second kernel merges
+// their results. Unlike CAGRA's multi-CTA mode the blocks share no visited set, so they repeat
+// some distances, but a query's result depends only on its inputs, never on timing.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -40,6 +42,7 @@ constexpr uint32_t kExpanded = 0x80000000u;  // flag on list ids (above kIdMask)
 constexpr uint32_t kHashFree = 0xffffffffu;
 constexpr int kMaxSearchWidth = 32;          // = params.h bound; parents live in one warp's ballot
 constexpr int kMaxThreads = 512;
+constexpr int kSplitBlocksPerSm = 2;  // searches_for_batch: blocks per SM a split batch aims at
 // Visited set: open addressing with linear probing over 2^bits slots. Returns true when `key`
 // was not there and this call inserted it. Every probe is an atomicCAS (no plain read racing
 // another thread's insert), so of concurrent inserts of one key exactly one wins. Terminates
@@ -62,20 +65,22 @@ __device__ __forceinline__ bool hash_insert(uint32_t* table, int bits, uint32_t 
 struct SearchArgs {
   const int32_t* graph;
   const bool* allowed;  // null without a filter
-  float* out_dists;
+  float* out_dists;     // [Q * searches, k]: the results, or each search's part when split
   int64_t* out_ids;
+  int32_t* counts;      // null, or [Q]: distances computed per query (summed over its searches)
   uint64_t seed;
   Metric metric;
   int n, dim, degree;
   int k;
-  int list_size;     // entries kept in the list (<= list_cap)
+  int searches;      // blocks (independent searches) per query
+  int list_size;     // entries each search keeps in its list (<= list_cap)
   int list_cap;      // M: power of two
   int result_cap;    // power of two >= k with a filter, else 0
   int cand_cap;      // power of two >= max(M, search_width * degree)
   int hash_bits;
   int search_width;
   int max_iters;
-  int entries;       // min(list_size, n) random entry points, as the CPU draws them
+  int entries;       // min(list_size, n) random entry points per search, as the CPU draws them
 };
 
 // Shared state besides the dynamic arrays.
@@ -85,6 +90,7 @@ struct Scalars {
   int n_parents;
   int reset;       // clear the hash before expanding
   int n_allowed;   // allowed candidates kept for the result list
+  int evaluated;   // distances computed by this block
   uint32_t parents[kMaxSearchWidth];
 };
 
@@ -106,6 +112,7 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
     __syncthreads();  // every thread has read s.n_cand before warp 0 resets it for the next round
     return;
   }
+  if (tid == 0) s.evaluated += n;  // thread 0 alone writes and reads it
   const int n_sort = next_pow2(n);  // <= cand_cap, which is a power of two >= n
 
   // Team-cooperative distances (seed 002: warp-cooperative distance with 16-byte loads; the
@@ -184,7 +191,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   uint32_t* table = cand_i + a.cand_cap;
 
   const int tid = threadIdx.x, lane = tid % kWarpSize;
-  const uint32_t qi = blockIdx.x;
+  const uint32_t qi = blockIdx.x / a.searches, search = blockIdx.x % a.searches;
   const T* query = queries + static_cast<int64_t>(qi) * a.dim;
   const int hash_size = 1 << a.hash_bits;
 
@@ -200,12 +207,13 @@ __global__ void __launch_bounds__(kMaxThreads)
   if (tid == 0) {
     s.n_cand = 0;
     s.hash_count = 0;
+    s.evaluated = 0;
   }
   __syncthreads();
 
-  // Entry points: the CPU's draws, counter (query, 0, e); repeats are dropped by the hash.
+  // Entry points: the CPU's draws, counter (query, search, e); repeats are dropped by the hash.
   for (int e = tid; e < a.entries; e += blockDim.x) {
-    const uint32_t r = random_u32(a.seed, Stream::kEntryPoints, qi, 0, static_cast<uint32_t>(e));
+    const uint32_t r = random_u32(a.seed, Stream::kEntryPoints, qi, search, static_cast<uint32_t>(e));
     const uint32_t id = random_below(r, static_cast<uint32_t>(a.n));
     if (hash_insert(table, a.hash_bits, id, &s.hash_count)) cand_i[atomicAdd(&s.n_cand, 1)] = id;
   }
@@ -276,12 +284,53 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   const float* best_d = a.allowed != nullptr ? res_d : list_d;
   const uint32_t* best_i = a.allowed != nullptr ? res_i : list_i;
-  const int64_t out = static_cast<int64_t>(qi) * a.k;
+  const int64_t out = static_cast<int64_t>(blockIdx.x) * a.k;
   for (int j = tid; j < a.k; j += blockDim.x) {
     const uint32_t id = best_i[j] & kIdMask;
     const bool found = id != kEmptyId;
     a.out_dists[out + j] = found ? best_d[j] : std::numeric_limits<float>::infinity();
     a.out_ids[out + j] = found ? static_cast<int64_t>(id) : -1;
+  }
+  if (a.counts != nullptr && tid == 0) atomicAdd(a.counts + qi, s.evaluated);
+}
+
+// Merges the `searches` sorted parts of k results of each query (one block per query) into its
+// k best distinct ids. Two searches that reached the same node computed the same distance for
+// it (same code, same inputs, same lanes), so after the sort the copies are adjacent keys.
+__global__ void __launch_bounds__(256)
+    merge_searches_kernel(const float* __restrict__ part_dists, const int64_t* __restrict__ part_ids, int per_query,
+                          int k, float* __restrict__ out_dists, int64_t* __restrict__ out_ids) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int n_sort = next_pow2(per_query);
+  float* d = reinterpret_cast<float*>(smem);
+  uint32_t* id = reinterpret_cast<uint32_t*>(d + n_sort);
+  const int tid = threadIdx.x, lane = tid % kWarpSize;
+  const int64_t in = static_cast<int64_t>(blockIdx.x) * per_query, out = static_cast<int64_t>(blockIdx.x) * k;
+  for (int i = tid; i < n_sort; i += blockDim.x) {
+    const int64_t u = i < per_query ? part_ids[in + i] : -1;
+    d[i] = u >= 0 ? part_dists[in + i] : std::numeric_limits<float>::infinity();
+    id[i] = u >= 0 ? static_cast<uint32_t>(u) : kEmptyId;
+  }
+  __syncthreads();
+  bitonic<false>(d, id, n_sort);
+  if (tid < kWarpSize) {  // warp 0 keeps the first of each run of equal ids, in order
+    int kept = 0;
+    for (int base = 0; base < n_sort && kept < k; base += kWarpSize) {  // kept is warp-uniform
+      const int i = base + lane;
+      const uint32_t u = i < n_sort ? id[i] : kEmptyId;
+      const bool keep = u != kEmptyId && (i == 0 || id[i - 1] != u);
+      const unsigned bits = __ballot_sync(kFullMask, keep);
+      const int pos = kept + __popc(bits & ((1u << lane) - 1u));
+      if (keep && pos < k) {
+        out_dists[out + pos] = d[i];
+        out_ids[out + pos] = u;
+      }
+      kept += __popc(bits);
+    }
+    for (int j = min(kept, k) + lane; j < k; j += kWarpSize) {
+      out_dists[out + j] = std::numeric_limits<float>::infinity();
+      out_ids[out + j] = -1;
+    }
   }
 }
 
@@ -294,7 +343,7 @@ int pick_team(int64_t row_bytes) {
   return 32;
 }
 
-// Threads per block (one block per query). A query's iterations are serial and each ends in
+// Threads per block. A query's iterations are serial and each ends in
 // block-wide barriers, so few threads lose little per query while many resident blocks hide
 // each other's barrier and memory stalls; a batch that cannot fill the GPU is latency-bound
 // instead, and more threads shorten each iteration. Measured on the H200 (1M x 384 float16
@@ -302,10 +351,17 @@ int pick_team(int64_t row_bytes) {
 // with 128, 1.00M with 256; a batch of 100 took 1.11 ms with 64 threads, 0.80 ms with 128,
 // 0.65 ms with 256. Long lists keep enough threads for the merge network's M/2
 // compare-exchanges per stage.
-int pick_threads(int64_t queries, int sms, int list_cap) {
-  const int for_batch = queries >= 8 * sms ? 64 : queries >= sms ? 128 : 256;
+int pick_threads(int64_t blocks, int sms, int list_cap) {
+  const int for_batch = blocks >= 8 * sms ? 64 : blocks >= sms ? 128 : 256;
   const int for_list = list_cap <= 256 ? 64 : list_cap <= 512 ? 256 : 512;
   return std::max(for_batch, for_list);
+}
+
+// Independent searches per query when the caller leaves it to us: enough blocks that a small
+// batch occupies the GPU, none for a batch that already does.
+int searches_for_batch(int64_t queries, int sms, int k) {
+  const int64_t fill = kSplitBlocksPerSm * static_cast<int64_t>(sms) / std::max<int64_t>(queries, 1);
+  return static_cast<int>(std::clamp<int64_t>(fill, 1, max_searches_for_k(k)));
 }
 
 size_t shared_bytes(const SearchArgs& a, int hash_bits) {
@@ -328,20 +384,16 @@ void launch(const at::Tensor& x, const at::Tensor& q, const SearchArgs& a, int t
     // attribute, no sync, so it is also allowed while a CUDA graph is being captured.
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
-  kernel<<<static_cast<unsigned>(q.size(0)), threads, smem, stream>>>(x.data_ptr<T>(), q.data_ptr<T>(), a);
+  const unsigned blocks = static_cast<unsigned>(q.size(0) * a.searches);
+  kernel<<<blocks, threads, smem, stream>>>(x.data_ptr<T>(), q.data_ptr<T>(), a);
   check_launch();
 }
 
-std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at::Tensor& graph,
-                                               const at::Tensor& queries, int64_t k, int64_t list_size,
-                                               int64_t search_width, int64_t max_iters, c10::string_view metric,
-                                               int64_t seed, const c10::optional<at::Tensor>& filter) {
-  // Without the checks that read tensor contents (finite queries, graph ids in range): on CUDA
-  // they would synchronise the host and break CUDA-graph capture; the kernel instead skips
-  // out-of-range graph ids and orders NaN distances last.
-  check_search_inputs(data, graph, queries, k, filter, /*read_contents=*/false);
-  const SearchParams p = make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed);
-
+// Runs the search of every query (checked, parsed arguments); with `counts` defined, also adds
+// up the distances each query computed there.
+std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::Tensor& graph,
+                                              const at::Tensor& queries, const c10::optional<at::Tensor>& filter,
+                                              const SearchParams& p, const at::Tensor& counts) {
   const c10::cuda::CUDAGuard guard(data.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index()).stream();
 
@@ -359,8 +411,13 @@ std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at:
   TORCH_CHECK_VALUE(per_round <= (1 << 16), "search_width * graph degree: the CUDA search expands at most 65536 ",
                     "neighbours per iteration, got ", p.search_width, " * ", degree);
 
+  int device = data.device().index(), optin = 0, sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+
   SearchArgs a{};
   a.graph = g.data_ptr<int32_t>();
+  a.counts = counts.defined() ? counts.data_ptr<int32_t>() : nullptr;
   a.allowed = filter.has_value() ? allowed.data_ptr<bool>() : nullptr;
   a.seed = p.seed;
   a.metric = p.metric;
@@ -368,35 +425,39 @@ std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at:
   a.dim = static_cast<int>(data.size(1));
   a.degree = static_cast<int>(degree);
   a.k = p.k;
-  a.list_size = p.list_size;
-  a.list_cap = next_pow2(p.list_size);
+  a.searches = p.searches > 0 ? p.searches : searches_for_batch(nq, sms, p.k);
+  TORCH_CHECK_VALUE(nq * a.searches <= std::numeric_limits<int32_t>::max(), "queries * searches: expected fewer ",
+                    "than 2^31 searches per call, got ", nq, " * ", a.searches);
+  a.list_size = list_per_search(p.list_size, p.k, a.searches);
+  a.list_cap = next_pow2(a.list_size);
   a.result_cap = filter.has_value() ? next_pow2(p.k) : 0;
   a.cand_cap = std::max(a.list_cap, next_pow2(static_cast<int>(per_round)));
   a.search_width = p.search_width;
   a.max_iters = p.max_iters;
-  a.entries = static_cast<int>(std::min<int64_t>(p.list_size, n));
+  a.entries = static_cast<int>(std::min<int64_t>(a.list_size, n));
 
   // Visited hash: must hold list + results + one round at load <= 1/2 (the no-duplicate
   // argument at the top); 4x that, at least 2048 slots, so resets (which forget visited nodes
   // and cost recomputed distances) stay rare. Falls back to the 2x minimum if shared memory is short.
-  int device = data.device().index(), optin = 0, sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const size_t limit = static_cast<size_t>(optin) - kStaticShared;
-  const int64_t must_hold = static_cast<int64_t>(p.list_size) + (filter.has_value() ? p.k : 0) + per_round;
+  const int64_t must_hold = static_cast<int64_t>(a.list_size) + (filter.has_value() ? p.k : 0) + per_round;
   a.hash_bits = log2_of(std::max<int64_t>(4 * must_hold, 2048));
   if (shared_bytes(a, a.hash_bits) > limit) a.hash_bits = log2_of(2 * must_hold);
   const size_t smem = shared_bytes(a, a.hash_bits);
-  TORCH_CHECK_VALUE(smem <= limit, "search: list_size ", p.list_size, ", search_width ", p.search_width,
+  TORCH_CHECK_VALUE(smem <= limit, "search: list_size ", a.list_size, ", search_width ", p.search_width,
                     " and graph degree ", degree, " need ", smem, " bytes of shared memory per query on the GPU, ",
                     "which has ", limit, "; lower list_size or search_width");
 
   at::Tensor out_dists = at::empty({nq, p.k}, queries.options().dtype(at::kFloat));
   at::Tensor out_ids = at::empty({nq, p.k}, queries.options().dtype(at::kLong));
-  a.out_dists = out_dists.data_ptr<float>();
-  a.out_ids = out_ids.data_ptr<int64_t>();
+  if (nq == 0) return {out_dists, out_ids};  // an empty grid is no valid launch
+  // Split queries write each search's k best to a workspace the merge reads.
+  const at::Tensor part_dists = a.searches > 1 ? at::empty({nq * a.searches, p.k}, out_dists.options()) : out_dists;
+  const at::Tensor part_ids = a.searches > 1 ? at::empty({nq * a.searches, p.k}, out_ids.options()) : out_ids;
+  a.out_dists = part_dists.data_ptr<float>();
+  a.out_ids = part_ids.data_ptr<int64_t>();
 
-  const int threads = pick_threads(nq, sms, a.list_cap);
+  const int threads = pick_threads(nq * a.searches, sms, a.list_cap);
   const int team = pick_team(static_cast<int64_t>(a.dim) * x.element_size());
   GRNND_DISPATCH_STORAGE(x.scalar_type(), "search_cuda", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
@@ -410,12 +471,49 @@ std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at:
       }
     }
   });
+  if (a.searches > 1) {
+    const int per_query = a.searches * p.k;  // <= kMaxMergeKeys (params.h)
+    const size_t merge_smem = (sizeof(float) + sizeof(uint32_t)) * static_cast<size_t>(next_pow2(per_query));
+    merge_searches_kernel<<<static_cast<unsigned>(nq), 256, merge_smem, stream>>>(
+        part_dists.data_ptr<float>(), part_ids.data_ptr<int64_t>(), per_query, p.k, out_dists.data_ptr<float>(),
+        out_ids.data_ptr<int64_t>());
+    check_launch();
+  }
   return {out_dists, out_ids};
+}
+
+// Without the checks that read tensor contents (finite queries, graph ids in range): on CUDA
+// they would synchronise the host and break CUDA-graph capture; the kernel instead skips
+// out-of-range graph ids and orders NaN distances last.
+std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at::Tensor& graph,
+                                               const at::Tensor& queries, int64_t k, int64_t list_size,
+                                               int64_t search_width, int64_t max_iters, c10::string_view metric,
+                                               int64_t seed, const c10::optional<at::Tensor>& filter,
+                                               int64_t searches) {
+  check_search_inputs(data, graph, queries, k, filter, /*read_contents=*/false);
+  const SearchParams p =
+      make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
+  return run_search(data, graph, queries, filter, p, at::Tensor());
+}
+
+at::Tensor search_distance_counts_cuda(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries,
+                                       int64_t k, int64_t list_size, int64_t search_width, int64_t max_iters,
+                                       c10::string_view metric, int64_t seed,
+                                       const c10::optional<at::Tensor>& filter, int64_t searches) {
+  check_search_inputs(data, graph, queries, k, filter, /*read_contents=*/false);
+  const SearchParams p =
+      make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
+  at::Tensor counts = at::zeros({queries.size(0)}, queries.options().dtype(at::kInt));
+  run_search(data, graph, queries, filter, p, counts);
+  return counts;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(grnnd, CUDA, m) { m.impl("search", &search_cuda); }
+TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
+  m.impl("search", &search_cuda);
+  m.impl("search_distance_counts", &search_distance_counts_cuda);
+}
 
 }  // namespace cuda
 }  // namespace grnnd
