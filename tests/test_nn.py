@@ -145,7 +145,10 @@ def test_retriever_follows_the_module_to_cuda(corpus):
     retriever.cuda()
     assert retriever.data.is_cuda and retriever.graph.is_cuda
     dists, ids = retriever(queries.cuda())
-    assert ids.is_cuda and grnnd.recall(ids, cpu_ids) >= 0.98
+    # A batch this small is split into several searches per query on the GPU (ops.search), so
+    # the answers may differ from the CPU's; their quality may not.
+    truth = grnnd.knn(data, queries, 5)[1]
+    assert ids.is_cuda and grnnd.recall(ids, truth) >= grnnd.recall(cpu_ids, truth) - 0.01
     restored = grnnd.nn.Retriever().cuda()
     restored.load_state_dict(retriever.state_dict())
     assert restored.data.is_cuda and torch.equal(restored(queries.cuda())[1], ids)
