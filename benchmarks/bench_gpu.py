@@ -10,6 +10,8 @@ Measures (CUDA events, after a warm-up; extension compile excluded):
   - torch_grnnd search QPS-recall@10 curve at batch --batch, sweeping list_size (and search_width),
     with the distances computed per query (search_distance_counts);
   - with --ablation: update order and reverse_ratio sweeps (build time, recall at list 64);
+  - with --sweep CFG ...: the same for any build configurations (e.g. "update_order=descending,
+    inner_iters=4"), plus search QPS and distances per query at list 64;
   - with --exact-graph: plain-PyTorch exact k-NN graph (k = degree) of all points, float16;
   - with --small-batches: wall-clock latency of batches of 1, 100 and 1000 queries, for each
     list size and number of searches per query (--split-searches; 0 = the automatic choice).
@@ -104,6 +106,32 @@ def search_curve(base, graph, queries, gt, batch, lists, widths):
     return curve
 
 
+def parse_build(text: str) -> dict:
+    """"pool_size=64,reverse_ratio=0.8,update_order=descending" -> keyword arguments of build."""
+    return {k: (float(v) if "." in v else int(v) if v.lstrip("-").isdigit() else v)
+            for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+
+
+def build_sweep(base, queries, gt, configs, batch):
+    """Build time, recall@10, QPS and distances per query at list 64 for each configuration."""
+    rows = []
+    q, truth = queries[:batch], gt[:batch]
+    for text in configs:
+        cfg = parse_build(text)
+        graph, secs = cuda_time(lambda: grnnd.build(base, **cfg))
+        run = lambda: grnnd.search(base, graph, q, 10, list_size=64)  # noqa: E731
+        run()
+        (_, ids), search_s = cuda_time(run, repeat=3)
+        counts = grnnd.search_distance_counts(base, graph, q, 10, list_size=64)
+        rows.append([text or "defaults", secs, grnnd.recall(ids, truth, 10), q.shape[0] / search_s,
+                     counts.float().mean().item()])
+        print(f"  sweep {rows[-1][0]}: build {secs:.3f} s, recall@10 (list 64) {rows[-1][2]:.4f}, "
+              f"{rows[-1][3]:,.0f} q/s, {rows[-1][4]:,.0f} distances/query", flush=True)
+        del graph
+    return {"title": f"Build configurations: build time, and the search at list 64, batch {batch}:",
+            "columns": ["build parameters", "build s", "recall@10", "queries/s", "distances/query"], "rows": rows}
+
+
 def small_batches(base, graph, queries, gt, lists, searches, batches=(1, 100, 1000), spread=1000):
     """Latency as a caller sees it: back-to-back calls from Python, wall clock, synchronised.
 
@@ -150,6 +178,7 @@ def main():
     p.add_argument("--small-lists", default="32,64,96", help="list sizes of --small-batches")
     p.add_argument("--split-searches", default="0,1", help="searches per query of --small-batches (0 = auto)")
     p.add_argument("--build", default="", help="build params, e.g. pool_size=64,inner_iters=8")
+    p.add_argument("--sweep", nargs="*", default=[], help="build configurations to compare, each like --build")
     args = p.parse_args()
     device = "cuda"
     name, base, queries, gt = load_data(args.data, device)
@@ -169,8 +198,7 @@ def main():
         print(f"brute force {dtype}: recall {r:.4f} {queries.shape[0] / secs:,.0f} q/s", flush=True)
     gt = gt.to(device)
 
-    params = {k: (float(v) if "." in v else int(v) if v.lstrip("-").isdigit() else v)
-              for k, v in (kv.split("=") for kv in args.build.split(",") if kv)}
+    params = parse_build(args.build)
     grnnd.build(base[:100_000], **params)  # warm-up: kernel load, allocator
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -191,6 +219,9 @@ def main():
         extra.setdefault("tables", []).append(small_batches(
             base, graph, queries, gt, [int(v) for v in args.small_lists.split(",")],
             [int(v) for v in args.split_searches.split(",")]))
+
+    if args.sweep:
+        extra.setdefault("tables", []).append(build_sweep(base, queries, gt, args.sweep, args.batch))
 
     if args.ablation:
         rows = []
