@@ -52,26 +52,13 @@ __device__ __forceinline__ float team_max(float v) {
   return v;
 }
 
-// Per-lane partial of a distance: squared differences for l2, negative products otherwise.
-template <typename T>
-__device__ __forceinline__ float partial_term(T a, T b, bool l2) {
-  const float x = static_cast<float>(a), y = static_cast<float>(b);
-  if (l2) {
-    const float t = x - y;
-    return t * t;
-  }
-  return -x * y;
-}
-
-// Distance between rows a and b of `dim` elements, computed by the TEAM lanes of the calling
-// team (`rank` = lane index within the team); all of them get the result. Rows whose size is a
-// multiple of 16 bytes (and 16-byte aligned, as prepared tensors are) are read with 16-byte
-// loads, anything else element by element. All 32 lanes of the warp must call this together.
-template <int TEAM, typename T>
-__device__ __forceinline__ float team_distance(const T* a, const T* b, int dim, Metric metric, int rank) {
+// Calls visit(x, y) with the float values of every element pair of rows a and b (`dim`
+// elements) that lane `rank` of a TEAM-lane team owns; the team's lanes together cover the rows.
+// Rows whose size is a multiple of 16 bytes (and 16-byte aligned, as prepared tensors are) are
+// read with 16-byte loads, anything else element by element.
+template <int TEAM, typename T, typename Visit>
+__device__ __forceinline__ void team_visit(const T* a, const T* b, int dim, int rank, Visit&& visit) {
   constexpr int kPerChunk = 16 / sizeof(T);
-  const bool l2 = metric == Metric::kL2;
-  float acc = 0.0f;
   if (dim % kPerChunk == 0) {
     const uint4* va = reinterpret_cast<const uint4*>(a);
     const uint4* vb = reinterpret_cast<const uint4*>(b);
@@ -81,11 +68,28 @@ __device__ __forceinline__ float team_distance(const T* a, const T* b, int dim, 
       const T* ea = reinterpret_cast<const T*>(&ra);
       const T* eb = reinterpret_cast<const T*>(&rb);
 #pragma unroll
-      for (int e = 0; e < kPerChunk; ++e) acc += partial_term(ea[e], eb[e], l2);
+      for (int e = 0; e < kPerChunk; ++e) visit(static_cast<float>(ea[e]), static_cast<float>(eb[e]));
     }
   } else {
-    for (int e = rank; e < dim; e += TEAM) acc += partial_term(a[e], b[e], l2);
+    for (int e = rank; e < dim; e += TEAM) visit(static_cast<float>(a[e]), static_cast<float>(b[e]));
   }
+}
+
+// Distance between rows a and b of `dim` elements, computed by the TEAM lanes of the calling
+// team (`rank` = lane index within the team); all of them get the result. All 32 lanes of the
+// warp must call this together.
+template <int TEAM, typename T>
+__device__ __forceinline__ float team_distance(const T* a, const T* b, int dim, Metric metric, int rank) {
+  const bool l2 = metric == Metric::kL2;
+  float acc = 0.0f;
+  team_visit<TEAM>(a, b, dim, rank, [&](float x, float y) {
+    if (l2) {
+      const float t = x - y;
+      acc += t * t;
+    } else {
+      acc += -x * y;
+    }
+  });
   const float s = team_sum<TEAM>(acc);
   return metric == Metric::kCosine ? 1.0f + s : s;
 }
@@ -94,36 +98,20 @@ inline void check_launch() { C10_CUDA_KERNEL_LAUNCH_CHECK(); }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-
 // Cosine distance 1 - <a, b> / (|a| |b|) between raw rows, by the TEAM lanes of the calling
-// team; same calling rules and load paths as team_distance. With kUnitA the caller promises
+// team; same calling rules as team_distance. With kUnitA the caller promises
 // |a| = 1 and its norm is not accumulated: the search normalises its few queries up front and
 // so needs no normalised copy of the data (no [N, D] pass and allocation per call). The dot
 // product and the norms come from the same 16-byte loads. A zero row is at distance 1, as on
 // the CPU.
 template <int TEAM, typename T, bool kUnitA = false>
 __device__ __forceinline__ float team_cosine(const T* a, const T* b, int dim, int rank) {
-  constexpr int kPerChunk = 16 / sizeof(T);
   float dot = 0.0f, norm2_a = 0.0f, norm2_b = 0.0f;
-  auto add = [&](float x, float y) {
+  team_visit<TEAM>(a, b, dim, rank, [&](float x, float y) {
     dot += x * y;
     norm2_b += y * y;
     if (!kUnitA) norm2_a += x * x;
-  };
-  if (dim % kPerChunk == 0) {
-    const uint4* va = reinterpret_cast<const uint4*>(a);
-    const uint4* vb = reinterpret_cast<const uint4*>(b);
-    const int chunks = dim / kPerChunk;
-    for (int c = rank; c < chunks; c += TEAM) {
-      const uint4 ra = __ldg(va + c), rb = __ldg(vb + c);
-      const T* ea = reinterpret_cast<const T*>(&ra);
-      const T* eb = reinterpret_cast<const T*>(&rb);
-#pragma unroll
-      for (int e = 0; e < kPerChunk; ++e) add(static_cast<float>(ea[e]), static_cast<float>(eb[e]));
-    }
-  } else {
-    for (int e = rank; e < dim; e += TEAM) add(static_cast<float>(a[e]), static_cast<float>(b[e]));
-  }
+  });
   dot = team_sum<TEAM>(dot);
   norm2_b = team_sum<TEAM>(norm2_b);
   const float norm_a = kUnitA ? 1.0f : fmaxf(sqrtf(team_sum<TEAM>(norm2_a)), 1e-30f);
