@@ -80,6 +80,7 @@ struct SearchArgs {
   int result_cap;    // power of two >= k with a filter, else 0
   int cand_cap;      // power of two >= max(M, search_width * degree)
   int hash_bits;
+  bool warp_iterations;  // no filter, list_size <= 64, search_width * degree <= 32: warp_iterations
   int search_width;
   int max_iters;
   int entries;       // min(list_size, n) random entry points per search, as the CPU draws them
@@ -93,6 +94,7 @@ struct Scalars {
   int reset;       // clear the hash before expanding
   int n_allowed;   // allowed candidates kept for the result list
   int evaluated;   // distances computed by this block
+  int done;        // warp_iterations: no parent left (or max_iters reached)
   uint32_t parents[kMaxSearchWidth];
 };
 
@@ -101,24 +103,14 @@ struct Scalars {
 constexpr size_t kStaticShared = 1024;
 static_assert(sizeof(Scalars) <= kStaticShared, "Scalars outgrew its shared-memory allowance");
 
-// Computes the distances of cand[0, n) (ids already written), sorts them, and merges them into
-// the list (and the allowed ones into the result list). Entered after a __syncthreads that
-// published cand ids and s.n_cand; returns after one (or at once, with nothing to do).
+// Team-cooperative distances of cand[0, n) to the query into cand_d (seed 002: warp-cooperative
+// distance with 16-byte loads; the team size is matched to the row so that short rows do not
+// idle most of a warp). Called by the whole block; no barrier inside.
 template <typename T, int TEAM>
-__device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query,
-                                   Scalars& s, float* list_d, uint32_t* list_i, float* res_d, uint32_t* res_i,
-                                   float* cand_d, uint32_t* cand_i) {
-  const int tid = threadIdx.x, lane = tid % kWarpSize;
-  const int n = s.n_cand;
-  if (n == 0) {  // block-uniform: nothing to merge
-    __syncthreads();  // every thread has read s.n_cand before warp 0 resets it for the next round
-    return;
-  }
-  if (tid == 0) s.evaluated += n;  // thread 0 alone writes and reads it
-  const int n_sort = next_pow2(n);  // <= cand_cap, which is a power of two >= n
-
-  // Team-cooperative distances (seed 002: warp-cooperative distance with 16-byte loads; the
-  // team size is matched to the row so that short rows do not idle most of a warp).
+__device__ __forceinline__ void compute_distances(const SearchArgs& a, const T* __restrict__ x,
+                                                  const T* __restrict__ query, int n, float* cand_d,
+                                                  const uint32_t* cand_i) {
+  const int tid = threadIdx.x;
   const int teams = blockDim.x / TEAM, team = tid / TEAM, rank = tid % TEAM;
   const int warp_first_team = (tid / kWarpSize) * (kWarpSize / TEAM);
   for (int base = 0; base < n; base += teams) {
@@ -135,6 +127,24 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
     if (isnan(dist)) dist = std::numeric_limits<float>::infinity();  // NaN would break the sort order
     if (valid && rank == 0) cand_d[c] = dist;
   }
+}
+
+// Computes the distances of cand[0, n) (ids already written), sorts them, and merges them into
+// the list (and the allowed ones into the result list). Entered after a __syncthreads that
+// published cand ids and s.n_cand; returns after one (or at once, with nothing to do).
+template <typename T, int TEAM>
+__device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query,
+                                   Scalars& s, float* list_d, uint32_t* list_i, float* res_d, uint32_t* res_i,
+                                   float* cand_d, uint32_t* cand_i) {
+  const int tid = threadIdx.x, lane = tid % kWarpSize;
+  const int n = s.n_cand;
+  if (n == 0) {  // block-uniform: nothing to merge
+    __syncthreads();  // every thread has read s.n_cand before warp 0 resets it for the next round
+    return;
+  }
+  if (tid == 0) s.evaluated += n;  // thread 0 alone writes and reads it
+  const int n_sort = next_pow2(n);  // <= cand_cap, which is a power of two >= n
+  compute_distances<T, TEAM>(a, x, query, n, cand_d, cand_i);
   for (int c = n + tid; c < n_sort; c += blockDim.x) {
     cand_d[c] = std::numeric_limits<float>::infinity();
     cand_i[c] = kEmptyId;
@@ -175,6 +185,120 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
     }
     __syncthreads();
     merge_sorted(res_d, res_i, a.result_cap, a.k, cand_d, cand_i, s.n_allowed);
+  }
+  __syncthreads();
+}
+
+// The iterations when one warp can hold the whole list (list_size <= 64: two entries per lane)
+// and a round's candidates (search_width * degree <= 32: one per lane), without a filter. Warp 0
+// does everything but the distances in registers: parent choice and expansion with ballots, the
+// sort of the new candidates and their merge into the list with shuffles. An iteration then has
+// two block barriers (candidates published, distances published) instead of about seven, which
+// is what a small batch waits on (ncu: barrier stalls dominate). Same algorithm, same order of
+// expansions and the same list as the general loop. Entered after the entry points were merged
+// into list_d/list_i; leaves the final list there, after a __syncthreads.
+template <typename T, int TEAM>
+__device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query,
+                                Scalars& s, float* list_d, uint32_t* list_i, float* cand_d, uint32_t* cand_i,
+                                uint32_t* table) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const int tid = threadIdx.x, lane = tid % kWarpSize;
+  const unsigned below = (1u << lane) - 1u;
+  const int hash_size = 1 << a.hash_bits, half_table = hash_size / 2;
+  // The list in warp 0's registers: lane l holds positions l and 32 + l.
+  float d0 = kInf, d1 = kInf;
+  uint32_t i0 = kEmptyId, i1 = kEmptyId;
+  if (tid < kWarpSize) {
+    if (lane < a.list_cap) {
+      d0 = list_d[lane];
+      i0 = list_i[lane];
+    }
+    if (kWarpSize + lane < a.list_cap) {
+      d1 = list_d[kWarpSize + lane];
+      i1 = list_i[kWarpSize + lane];
+    }
+  }
+  int iter = 0;  // warp 0's count of iterations, as the general loop counts them
+  for (;;) {
+    if (tid < kWarpSize) {
+      int n = 0;
+      bool done = false;
+      while (n == 0 && !done) {  // a parent whose neighbours were all seen costs no barrier
+        if (a.max_iters != 0 && iter >= a.max_iters) {
+          done = true;
+          break;
+        }
+        ++iter;
+        // Parents: the first search_width unexpanded entries in list order.
+        const bool open0 = lane < a.list_size && i0 != kEmptyId && (i0 & kExpanded) == 0u;
+        const bool open1 = kWarpSize + lane < a.list_size && i1 != kEmptyId && (i1 & kExpanded) == 0u;
+        const unsigned b0 = __ballot_sync(kFullMask, open0), b1 = __ballot_sync(kFullMask, open1);
+        const int take0 = min(__popc(b0), a.search_width);
+        const int take1 = min(__popc(b1), a.search_width - take0);
+        const int r0 = __popc(b0 & below), r1 = __popc(b1 & below);
+        if (open0 && r0 < take0) {
+          s.parents[r0] = i0;
+          i0 |= kExpanded;
+        }
+        if (open1 && r1 < take1) {
+          s.parents[take0 + r1] = i1;
+          i1 |= kExpanded;
+        }
+        const int found = take0 + take1;
+        if (found == 0) {
+          done = true;
+          break;
+        }
+        __syncwarp();  // the parents and the hash count are visible to every lane
+        if (s.hash_count + found * a.degree > half_table) {  // as the general loop resets
+          for (int i = lane; i < hash_size; i += kWarpSize) table[i] = kHashFree;
+          if (lane == 0) s.hash_count = 0;
+          __syncwarp();
+          if (i0 != kEmptyId) hash_insert(table, a.hash_bits, i0 & kIdMask, &s.hash_count);
+          if (i1 != kEmptyId) hash_insert(table, a.hash_bits, i1 & kIdMask, &s.hash_count);
+          __syncwarp();
+        }
+        // Expand: lane j takes neighbour slot j of the round; new ids are packed in lane order.
+        bool fresh = false;
+        uint32_t u = 0u;
+        if (lane < found * a.degree) {
+          const int p = lane / a.degree, j = lane - p * a.degree;
+          const int32_t v = __ldg(a.graph + static_cast<int64_t>(s.parents[p] & kIdMask) * a.degree + j);
+          u = static_cast<uint32_t>(v);
+          fresh = v >= 0 && v < a.n && hash_insert(table, a.hash_bits, u, &s.hash_count);
+        }
+        const unsigned bits = __ballot_sync(kFullMask, fresh);
+        if (fresh) cand_i[__popc(bits & below)] = u;
+        n = __popc(bits);
+        __syncwarp();  // every lane has read s.parents before the next round may rewrite them
+      }
+      if (lane == 0) {
+        s.n_cand = n;
+        s.done = done;
+        if (!done) s.evaluated += n;  // thread 0 alone writes and reads it
+      }
+    }
+    __syncthreads();  // candidates published
+    if (s.done) break;  // block-uniform
+    const int n = s.n_cand;
+    compute_distances<T, TEAM>(a, x, query, n, cand_d, cand_i);
+    __syncthreads();  // distances published; no warp reads cand, n_cand or done again before the next barrier
+    if (tid < kWarpSize) {
+      float cd = lane < n ? cand_d[lane] : kInf;
+      uint32_t ci = lane < n ? cand_i[lane] : kEmptyId;
+      warp_sort32(cd, ci);
+      warp_merge64(d0, i0, d1, i1, cd, ci, a.list_size);
+    }
+  }
+  if (tid < kWarpSize) {
+    if (lane < a.list_cap) {
+      list_d[lane] = d0;
+      list_i[lane] = i0;
+    }
+    if (kWarpSize + lane < a.list_cap) {
+      list_d[kWarpSize + lane] = d1;
+      list_i[kWarpSize + lane] = i1;
+    }
   }
   __syncthreads();
 }
@@ -223,7 +347,8 @@ __global__ void __launch_bounds__(kMaxThreads)
   evaluate_and_merge<T, TEAM>(a, x, query, s, list_d, list_i, res_d, res_i, cand_d, cand_i);
 
   const int half_table = hash_size / 2;
-  for (int iter = 0; a.max_iters == 0 || iter < a.max_iters; ++iter) {
+  if (a.warp_iterations) warp_iterations<T, TEAM>(a, x, query, s, list_d, list_i, cand_d, cand_i, table);
+  for (int iter = 0; !a.warp_iterations && (a.max_iters == 0 || iter < a.max_iters); ++iter) {
     // Parents: the search_width best unexpanded entries, found by warp 0 with ballots over the
     // sorted list (seed 002, OB 12: widths 1-2 are the useful range, so this is a short scan).
     if (tid < kWarpSize) {
@@ -446,6 +571,7 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   a.cand_cap = std::max(a.list_cap, next_pow2(static_cast<int>(per_round)));
   a.search_width = p.search_width;
   a.max_iters = p.max_iters;
+  a.warp_iterations = !filter.has_value() && a.list_size <= 2 * 32 && per_round <= 32;
   a.entries = static_cast<int>(std::min<int64_t>(a.list_size, n));
 
   // Visited hash: must hold list + results + one round at load <= 1/2 (the no-duplicate

@@ -104,5 +104,66 @@ __device__ inline void merge_sorted(float* dst_d, uint32_t* dst_i, int cap, int 
   }
 }
 
+// Register-resident keys of one warp: lane l holds one key (d, id). One compare-exchange stage of
+// a bitonic network across lanes: the partner is lane ^ stride; the lower lane of a pair keeps
+// the smaller key when `ascending`, else the larger.
+__device__ __forceinline__ void warp_exchange(float& d, uint32_t& id, int stride, bool ascending) {
+  const int lane = threadIdx.x % kWarpSize;
+  const float od = __shfl_xor_sync(kFullMask, d, stride);
+  const uint32_t oi = __shfl_xor_sync(kFullMask, id, stride);
+  const bool lower = (lane & stride) == 0;
+  const bool take = lower == ascending ? key_less(od, oi, d, id) : key_less(d, id, od, oi);
+  if (take) {
+    d = od;
+    id = oi;
+  }
+}
+
+// Sorts the warp's 32 keys ascending by lane (called by all lanes of one warp).
+__device__ __forceinline__ void warp_sort32(float& d, uint32_t& id) {
+  const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+  for (int size = 2; size <= kWarpSize; size <<= 1) {
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1) warp_exchange(d, id, stride, (lane & size) == 0);
+  }
+}
+
+// A sorted 64-key list held by one warp (lane l: positions l and 32 + l) takes in the warp's 32
+// sorted keys (lane l: position l) and keeps its best `keep` (<= 64), the rest emptied: the
+// half-cleaner of a bitonic merge of list ++ reversed keys (only positions 32..63 meet a key),
+// then a 6-stage merge of the 64 survivors, as merge_sorted does in shared memory.
+__device__ __forceinline__ void warp_merge64(float& d0, uint32_t& i0, float& d1, uint32_t& i1, float cd,
+                                             uint32_t ci, int keep) {
+  const int lane = threadIdx.x % kWarpSize;
+  const float rd = __shfl_sync(kFullMask, cd, kWarpSize - 1 - lane);
+  const uint32_t ri = __shfl_sync(kFullMask, ci, kWarpSize - 1 - lane);
+  if (key_less(rd, ri, d1, i1)) {
+    d1 = rd;
+    i1 = ri;
+  }
+  if (key_less(d1, i1, d0, i0)) {  // stride 32: both keys of a pair live in this lane
+    const float td = d0;
+    const uint32_t ti = i0;
+    d0 = d1;
+    i0 = i1;
+    d1 = td;
+    i1 = ti;
+  }
+#pragma unroll
+  for (int stride = kWarpSize / 2; stride > 0; stride >>= 1) {
+    warp_exchange(d0, i0, stride, true);
+    warp_exchange(d1, i1, stride, true);
+  }
+  if (lane >= keep) {
+    d0 = std::numeric_limits<float>::infinity();
+    i0 = kEmptyId;
+  }
+  if (kWarpSize + lane >= keep) {
+    d1 = std::numeric_limits<float>::infinity();
+    i1 = kEmptyId;
+  }
+}
+
 }  // namespace cuda
 }  // namespace grnnd
