@@ -42,6 +42,7 @@ constexpr uint32_t kExpanded = 0x80000000u;  // flag on list ids (above kIdMask)
 constexpr uint32_t kHashFree = 0xffffffffu;
 constexpr int kMaxSearchWidth = 32;          // = params.h bound; parents live in one warp's ballot
 constexpr int kMaxThreads = 512;
+constexpr int kMaxWarpRows = 4;              // warp_iterations holds lists of up to 4 * 32 keys
 // searches_for_batch: blocks per SM a split batch aims at, and the fewest searches worth a split.
 constexpr int kSplitBlocksPerSm = 16;
 constexpr int kMinSplit = 8;
@@ -80,7 +81,7 @@ struct SearchArgs {
   int result_cap;    // power of two >= k with a filter, else 0
   int cand_cap;      // power of two >= max(M, search_width * degree)
   int hash_bits;
-  bool warp_iterations;  // no filter, list_size <= 64, search_width * degree <= 32: warp_iterations
+  int warp_rows;     // 32-key rows of the list in warp 0's registers (warp_iterations), 0 = general loop
   int search_width;
   int max_iters;
   int entries;       // min(list_size, n) random entry points per search, as the CPU draws them
@@ -189,15 +190,15 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
   __syncthreads();
 }
 
-// The iterations when one warp can hold the whole list (list_size <= 64: two entries per lane)
-// and a round's candidates (search_width * degree <= 32: one per lane), without a filter. Warp 0
-// does everything but the distances in registers: parent choice and expansion with ballots, the
-// sort of the new candidates and their merge into the list with shuffles. An iteration then has
-// two block barriers (candidates published, distances published) instead of about seven, which
-// is what a small batch waits on (ncu: barrier stalls dominate). Same algorithm, same order of
-// expansions and the same list as the general loop. Entered after the entry points were merged
-// into list_d/list_i; leaves the final list there, after a __syncthreads.
-template <typename T, int TEAM>
+// The iterations when one warp can hold the whole list (list_size <= 32 * kMaxWarpRows: ROWS
+// keys per lane) and a round's candidates (search_width * degree <= 32: one per lane), without a
+// filter. Warp 0 does everything but the distances in registers: parent choice and expansion
+// with ballots, the sort of the new candidates and their merge into the list with shuffles. An
+// iteration then has two block barriers (candidates published, distances published) instead of
+// about seven, which is what a small batch waits on (ncu: barrier stalls dominate). Same
+// algorithm, same expansions and the same list as the general loop. Entered after the entry
+// points were merged into list_d/list_i; leaves the final list there, after a __syncthreads.
+template <typename T, int TEAM, int ROWS>
 __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query,
                                 Scalars& s, float* list_d, uint32_t* list_i, float* cand_d, uint32_t* cand_i,
                                 uint32_t* table) {
@@ -205,18 +206,14 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
   const int tid = threadIdx.x, lane = tid % kWarpSize;
   const unsigned below = (1u << lane) - 1u;
   const int hash_size = 1 << a.hash_bits, half_table = hash_size / 2;
-  // The list in warp 0's registers: lane l holds positions l and 32 + l.
-  float d0 = kInf, d1 = kInf;
-  uint32_t i0 = kEmptyId, i1 = kEmptyId;
-  if (tid < kWarpSize) {
-    if (lane < a.list_cap) {
-      d0 = list_d[lane];
-      i0 = list_i[lane];
-    }
-    if (kWarpSize + lane < a.list_cap) {
-      d1 = list_d[kWarpSize + lane];
-      i1 = list_i[kWarpSize + lane];
-    }
+  // The list in warp 0's registers: lane l holds positions r * 32 + l.
+  float d[ROWS];
+  uint32_t id[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const int pos = r * kWarpSize + lane;
+    d[r] = tid < kWarpSize && pos < a.list_cap ? list_d[pos] : kInf;
+    id[r] = tid < kWarpSize && pos < a.list_cap ? list_i[pos] : kEmptyId;
   }
   int iter = 0;  // warp 0's count of iterations, as the general loop counts them
   for (;;) {
@@ -230,21 +227,18 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
         }
         ++iter;
         // Parents: the first search_width unexpanded entries in list order.
-        const bool open0 = lane < a.list_size && i0 != kEmptyId && (i0 & kExpanded) == 0u;
-        const bool open1 = kWarpSize + lane < a.list_size && i1 != kEmptyId && (i1 & kExpanded) == 0u;
-        const unsigned b0 = __ballot_sync(kFullMask, open0), b1 = __ballot_sync(kFullMask, open1);
-        const int take0 = min(__popc(b0), a.search_width);
-        const int take1 = min(__popc(b1), a.search_width - take0);
-        const int r0 = __popc(b0 & below), r1 = __popc(b1 & below);
-        if (open0 && r0 < take0) {
-          s.parents[r0] = i0;
-          i0 |= kExpanded;
+        int found = 0;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          const bool open = r * kWarpSize + lane < a.list_size && id[r] != kEmptyId && (id[r] & kExpanded) == 0u;
+          const unsigned bits = __ballot_sync(kFullMask, open);
+          const int pos = found + __popc(bits & below);
+          if (open && pos < a.search_width) {
+            s.parents[pos] = id[r];
+            id[r] |= kExpanded;
+          }
+          found = min(found + __popc(bits), a.search_width);
         }
-        if (open1 && r1 < take1) {
-          s.parents[take0 + r1] = i1;
-          i1 |= kExpanded;
-        }
-        const int found = take0 + take1;
         if (found == 0) {
           done = true;
           break;
@@ -254,8 +248,10 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
           for (int i = lane; i < hash_size; i += kWarpSize) table[i] = kHashFree;
           if (lane == 0) s.hash_count = 0;
           __syncwarp();
-          if (i0 != kEmptyId) hash_insert(table, a.hash_bits, i0 & kIdMask, &s.hash_count);
-          if (i1 != kEmptyId) hash_insert(table, a.hash_bits, i1 & kIdMask, &s.hash_count);
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) {
+            if (id[r] != kEmptyId) hash_insert(table, a.hash_bits, id[r] & kIdMask, &s.hash_count);
+          }
           __syncwarp();
         }
         // Expand: lane j takes neighbour slot j of the round; new ids are packed in lane order.
@@ -287,17 +283,17 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
       float cd = lane < n ? cand_d[lane] : kInf;
       uint32_t ci = lane < n ? cand_i[lane] : kEmptyId;
       warp_sort32(cd, ci);
-      warp_merge64(d0, i0, d1, i1, cd, ci, a.list_size);
+      warp_merge<ROWS>(d, id, cd, ci, a.list_size);
     }
   }
   if (tid < kWarpSize) {
-    if (lane < a.list_cap) {
-      list_d[lane] = d0;
-      list_i[lane] = i0;
-    }
-    if (kWarpSize + lane < a.list_cap) {
-      list_d[kWarpSize + lane] = d1;
-      list_i[kWarpSize + lane] = i1;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int pos = r * kWarpSize + lane;
+      if (pos < a.list_cap) {
+        list_d[pos] = d[r];
+        list_i[pos] = id[r];
+      }
     }
   }
   __syncthreads();
@@ -347,8 +343,13 @@ __global__ void __launch_bounds__(kMaxThreads)
   evaluate_and_merge<T, TEAM>(a, x, query, s, list_d, list_i, res_d, res_i, cand_d, cand_i);
 
   const int half_table = hash_size / 2;
-  if (a.warp_iterations) warp_iterations<T, TEAM>(a, x, query, s, list_d, list_i, cand_d, cand_i, table);
-  for (int iter = 0; !a.warp_iterations && (a.max_iters == 0 || iter < a.max_iters); ++iter) {
+  switch (a.warp_rows) {
+    case 1: warp_iterations<T, TEAM, 1>(a, x, query, s, list_d, list_i, cand_d, cand_i, table); break;
+    case 2: warp_iterations<T, TEAM, 2>(a, x, query, s, list_d, list_i, cand_d, cand_i, table); break;
+    case 4: warp_iterations<T, TEAM, 4>(a, x, query, s, list_d, list_i, cand_d, cand_i, table); break;
+    default: break;
+  }
+  for (int iter = 0; a.warp_rows == 0 && (a.max_iters == 0 || iter < a.max_iters); ++iter) {
     // Parents: the search_width best unexpanded entries, found by warp 0 with ballots over the
     // sorted list (seed 002, OB 12: widths 1-2 are the useful range, so this is a short scan).
     if (tid < kWarpSize) {
@@ -571,7 +572,8 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   a.cand_cap = std::max(a.list_cap, next_pow2(static_cast<int>(per_round)));
   a.search_width = p.search_width;
   a.max_iters = p.max_iters;
-  a.warp_iterations = !filter.has_value() && a.list_size <= 2 * 32 && per_round <= 32;
+  const bool warp_fits = !filter.has_value() && a.list_cap <= kMaxWarpRows * kWarpSize && per_round <= kWarpSize;
+  a.warp_rows = warp_fits ? std::max(1, a.list_cap / kWarpSize) : 0;
   a.entries = static_cast<int>(std::min<int64_t>(a.list_size, n));
 
   // Visited hash: must hold list + results + one round at load <= 1/2 (the no-duplicate

@@ -129,39 +129,46 @@ __device__ __forceinline__ void warp_sort32(float& d, uint32_t& id) {
   }
 }
 
-// A sorted 64-key list held by one warp (lane l: positions l and 32 + l) takes in the warp's 32
-// sorted keys (lane l: position l) and keeps its best `keep` (<= 64), the rest emptied: the
-// half-cleaner of a bitonic merge of list ++ reversed keys (only positions 32..63 meet a key),
-// then a 6-stage merge of the 64 survivors, as merge_sorted does in shared memory.
-__device__ __forceinline__ void warp_merge64(float& d0, uint32_t& i0, float& d1, uint32_t& i1, float cd,
-                                             uint32_t ci, int keep) {
+// A sorted list of 32 * ROWS keys held by one warp (lane l: position r * 32 + l in register row
+// r) takes in the warp's 32 sorted keys (lane l: position l) and keeps its best `keep`
+// (<= 32 * ROWS), the rest emptied: the half-cleaner of a bitonic merge of list ++ reversed keys
+// (only the last row meets a real key, the others meet padding), then the bitonic merge of the
+// surviving 32 * ROWS keys: strides of whole rows compare within a lane, strides below 32 across
+// lanes. The same network merge_sorted runs in shared memory.
+template <int ROWS>
+__device__ __forceinline__ void warp_merge(float (&d)[ROWS], uint32_t (&id)[ROWS], float cd, uint32_t ci, int keep) {
   const int lane = threadIdx.x % kWarpSize;
   const float rd = __shfl_sync(kFullMask, cd, kWarpSize - 1 - lane);
   const uint32_t ri = __shfl_sync(kFullMask, ci, kWarpSize - 1 - lane);
-  if (key_less(rd, ri, d1, i1)) {
-    d1 = rd;
-    i1 = ri;
+  if (key_less(rd, ri, d[ROWS - 1], id[ROWS - 1])) {
+    d[ROWS - 1] = rd;
+    id[ROWS - 1] = ri;
   }
-  if (key_less(d1, i1, d0, i0)) {  // stride 32: both keys of a pair live in this lane
-    const float td = d0;
-    const uint32_t ti = i0;
-    d0 = d1;
-    i0 = i1;
-    d1 = td;
-    i1 = ti;
+#pragma unroll
+  for (int rows = ROWS / 2; rows > 0; rows >>= 1) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      if ((r & rows) == 0 && key_less(d[r + rows], id[r + rows], d[r], id[r])) {
+        const float td = d[r];
+        const uint32_t ti = id[r];
+        d[r] = d[r + rows];
+        id[r] = id[r + rows];
+        d[r + rows] = td;
+        id[r + rows] = ti;
+      }
+    }
   }
 #pragma unroll
   for (int stride = kWarpSize / 2; stride > 0; stride >>= 1) {
-    warp_exchange(d0, i0, stride, true);
-    warp_exchange(d1, i1, stride, true);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) warp_exchange(d[r], id[r], stride, true);
   }
-  if (lane >= keep) {
-    d0 = std::numeric_limits<float>::infinity();
-    i0 = kEmptyId;
-  }
-  if (kWarpSize + lane >= keep) {
-    d1 = std::numeric_limits<float>::infinity();
-    i1 = kEmptyId;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    if (r * kWarpSize + lane >= keep) {
+      d[r] = std::numeric_limits<float>::infinity();
+      id[r] = kEmptyId;
+    }
   }
 }
 
