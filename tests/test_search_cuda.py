@@ -218,9 +218,9 @@ def test_results_do_not_depend_on_the_batch_size(points, graph_for, list_size, s
 @pytest.mark.parametrize("list_size", [16, 24, 48, 64, 96, 128])
 @pytest.mark.parametrize("metric", ["l2", "cosine"])
 def test_warp_iterations_match_the_general_loop(points, graph_for, metric, list_size):
-    """Without a filter, lists up to 128 and one candidate per lane take the warp-level loop (one,
-    two or four register rows); an all-true filter takes the general loop. Both walk the same
-    graph in the same order."""
+    """Without a filter, lists up to 128 and one candidate per lane take the warp-level loop (two
+    or four register rows); an all-true filter takes block_iterations. Both walk the same graph
+    in the same order."""
     data, graph, queries = points[0].cuda(), graph_for(metric).cuda(), points[1].cuda()
     kw = dict(list_size=list_size, metric=metric, searches=1)
     warp = grnnd.search(data, graph, queries, K, **kw)

@@ -81,7 +81,7 @@ struct SearchArgs {
   int result_cap;    // power of two >= k with a filter, else 0
   int cand_cap;      // power of two >= max(M, search_width * degree)
   int hash_bits;
-  int warp_rows;     // 32-key rows of the list in warp 0's registers (warp_iterations), 0 = general loop
+  int warp_rows;     // 2 or 4: rows of the list in warp 0's registers (warp_iterations); 0: block_iterations
   int search_width;
   int max_iters;
   int entries;       // min(list_size, n) random entry points per search, as the CPU draws them
@@ -190,166 +190,16 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
   __syncthreads();
 }
 
-// The iterations when one warp can hold the whole list (list_size <= 32 * kMaxWarpRows: ROWS
-// keys per lane) and a round's candidates (search_width * degree <= 32: one per lane), without a
-// filter. Warp 0 does everything but the distances in registers: parent choice and expansion
-// with ballots, the sort of the new candidates and their merge into the list with shuffles. An
-// iteration then has two block barriers (candidates published, distances published) instead of
-// about seven, which is what a small batch waits on (ncu: barrier stalls dominate). Same
-// algorithm, same expansions and the same list as the general loop. Entered after the entry
-// points were merged into list_d/list_i; leaves the final list there, after a __syncthreads.
-template <typename T, int TEAM, int ROWS>
-__device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query,
-                                Scalars& s, float* list_d, uint32_t* list_i, float* cand_d, uint32_t* cand_i,
-                                uint32_t* table) {
-  constexpr float kInf = std::numeric_limits<float>::infinity();
-  const int tid = threadIdx.x, lane = tid % kWarpSize;
-  const unsigned below = (1u << lane) - 1u;
-  const int hash_size = 1 << a.hash_bits, half_table = hash_size / 2;
-  // The list in warp 0's registers: lane l holds positions r * 32 + l.
-  float d[ROWS];
-  uint32_t id[ROWS];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    const int pos = r * kWarpSize + lane;
-    d[r] = tid < kWarpSize && pos < a.list_cap ? list_d[pos] : kInf;
-    id[r] = tid < kWarpSize && pos < a.list_cap ? list_i[pos] : kEmptyId;
-  }
-  int iter = 0;  // warp 0's count of iterations, as the general loop counts them
-  for (;;) {
-    if (tid < kWarpSize) {
-      int n = 0;
-      bool done = false;
-      while (n == 0 && !done) {  // a parent whose neighbours were all seen costs no barrier
-        if (a.max_iters != 0 && iter >= a.max_iters) {
-          done = true;
-          break;
-        }
-        ++iter;
-        // Parents: the first search_width unexpanded entries in list order.
-        int found = 0;
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          const bool open = r * kWarpSize + lane < a.list_size && id[r] != kEmptyId && (id[r] & kExpanded) == 0u;
-          const unsigned bits = __ballot_sync(kFullMask, open);
-          const int pos = found + __popc(bits & below);
-          if (open && pos < a.search_width) {
-            s.parents[pos] = id[r];
-            id[r] |= kExpanded;
-          }
-          found = min(found + __popc(bits), a.search_width);
-        }
-        if (found == 0) {
-          done = true;
-          break;
-        }
-        __syncwarp();  // the parents and the hash count are visible to every lane
-        if (s.hash_count + found * a.degree > half_table) {  // as the general loop resets
-          for (int i = lane; i < hash_size; i += kWarpSize) table[i] = kHashFree;
-          if (lane == 0) s.hash_count = 0;
-          __syncwarp();
-#pragma unroll
-          for (int r = 0; r < ROWS; ++r) {
-            if (id[r] != kEmptyId) hash_insert(table, a.hash_bits, id[r] & kIdMask, &s.hash_count);
-          }
-          __syncwarp();
-        }
-        // Expand: lane j takes neighbour slot j of the round; new ids are packed in lane order.
-        bool fresh = false;
-        uint32_t u = 0u;
-        if (lane < found * a.degree) {
-          const int p = lane / a.degree, j = lane - p * a.degree;
-          const int32_t v = __ldg(a.graph + static_cast<int64_t>(s.parents[p] & kIdMask) * a.degree + j);
-          u = static_cast<uint32_t>(v);
-          fresh = v >= 0 && v < a.n && hash_insert(table, a.hash_bits, u, &s.hash_count);
-        }
-        const unsigned bits = __ballot_sync(kFullMask, fresh);
-        if (fresh) cand_i[__popc(bits & below)] = u;
-        n = __popc(bits);
-        __syncwarp();  // every lane has read s.parents before the next round may rewrite them
-      }
-      if (lane == 0) {
-        s.n_cand = n;
-        s.done = done;
-        if (!done) s.evaluated += n;  // thread 0 alone writes and reads it
-      }
-    }
-    __syncthreads();  // candidates published
-    if (s.done) break;  // block-uniform
-    const int n = s.n_cand;
-    compute_distances<T, TEAM>(a, x, query, n, cand_d, cand_i);
-    __syncthreads();  // distances published; no warp reads cand, n_cand or done again before the next barrier
-    if (tid < kWarpSize) {
-      float cd = lane < n ? cand_d[lane] : kInf;
-      uint32_t ci = lane < n ? cand_i[lane] : kEmptyId;
-      warp_sort32(cd, ci);
-      warp_merge<ROWS>(d, id, cd, ci, a.list_size);
-    }
-  }
-  if (tid < kWarpSize) {
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const int pos = r * kWarpSize + lane;
-      if (pos < a.list_cap) {
-        list_d[pos] = d[r];
-        list_i[pos] = id[r];
-      }
-    }
-  }
-  __syncthreads();
-}
-
+// The iterations in general (any list, round or filter), the block sharing the work: parent
+// choice, expansion, distances, sort and merge each take the whole block, with barriers
+// between them. Entered after the entry points were merged into the list.
 template <typename T, int TEAM>
-__global__ void __launch_bounds__(kMaxThreads)
-    search_kernel(const T* __restrict__ x, const T* __restrict__ queries, const SearchArgs a) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ Scalars s;
-  float* list_d = reinterpret_cast<float*>(smem);
-  uint32_t* list_i = reinterpret_cast<uint32_t*>(list_d + a.list_cap);
-  float* res_d = reinterpret_cast<float*>(list_i + a.list_cap);
-  uint32_t* res_i = reinterpret_cast<uint32_t*>(res_d + a.result_cap);
-  float* cand_d = reinterpret_cast<float*>(res_i + a.result_cap);
-  uint32_t* cand_i = reinterpret_cast<uint32_t*>(cand_d + a.cand_cap);
-  uint32_t* table = cand_i + a.cand_cap;
-
+__device__ void block_iterations(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query,
+                                 Scalars& s, float* list_d, uint32_t* list_i, float* res_d, uint32_t* res_i,
+                                 float* cand_d, uint32_t* cand_i, uint32_t* table) {
   const int tid = threadIdx.x, lane = tid % kWarpSize;
-  const uint32_t qi = blockIdx.x / a.searches, search = blockIdx.x % a.searches;
-  const T* query = queries + static_cast<int64_t>(qi) * a.dim;
-  const int hash_size = 1 << a.hash_bits;
-
-  for (int i = tid; i < hash_size; i += blockDim.x) table[i] = kHashFree;
-  for (int i = tid; i < a.list_cap; i += blockDim.x) {
-    list_d[i] = std::numeric_limits<float>::infinity();
-    list_i[i] = kEmptyId;
-  }
-  for (int i = tid; i < a.result_cap; i += blockDim.x) {
-    res_d[i] = std::numeric_limits<float>::infinity();
-    res_i[i] = kEmptyId;
-  }
-  if (tid == 0) {
-    s.n_cand = 0;
-    s.hash_count = 0;
-    s.evaluated = 0;
-  }
-  __syncthreads();
-
-  // Entry points: the CPU's draws, counter (query, search, e); repeats are dropped by the hash.
-  for (int e = tid; e < a.entries; e += blockDim.x) {
-    const uint32_t r = random_u32(a.seed, Stream::kEntryPoints, qi, search, static_cast<uint32_t>(e));
-    const uint32_t id = random_below(r, static_cast<uint32_t>(a.n));
-    if (hash_insert(table, a.hash_bits, id, &s.hash_count)) cand_i[atomicAdd(&s.n_cand, 1)] = id;
-  }
-  __syncthreads();
-  evaluate_and_merge<T, TEAM>(a, x, query, s, list_d, list_i, res_d, res_i, cand_d, cand_i);
-
-  const int half_table = hash_size / 2;
-  switch (a.warp_rows) {
-    case 1: warp_iterations<T, TEAM, 1>(a, x, query, s, list_d, list_i, cand_d, cand_i, table); break;
-    case 2: warp_iterations<T, TEAM, 2>(a, x, query, s, list_d, list_i, cand_d, cand_i, table); break;
-    case 4: warp_iterations<T, TEAM, 4>(a, x, query, s, list_d, list_i, cand_d, cand_i, table); break;
-    default: break;
-  }
-  for (int iter = 0; a.warp_rows == 0 && (a.max_iters == 0 || iter < a.max_iters); ++iter) {
+  const int hash_size = 1 << a.hash_bits, half_table = hash_size / 2;
+  for (int iter = 0; a.max_iters == 0 || iter < a.max_iters; ++iter) {
     // Parents: the search_width best unexpanded entries, found by warp 0 with ballots over the
     // sorted list (seed 002, OB 12: widths 1-2 are the useful range, so this is a short scan).
     if (tid < kWarpSize) {
@@ -408,6 +258,168 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     __syncthreads();
     evaluate_and_merge<T, TEAM>(a, x, query, s, list_d, list_i, res_d, res_i, cand_d, cand_i);
+  }
+}
+
+// The iterations when one warp can hold the whole list (list_size <= 32 * kMaxWarpRows: ROWS
+// keys per lane) and a round's candidates (search_width * degree <= 32: one per lane), without a
+// filter. Warp 0 does everything but the distances in registers: parent choice and expansion
+// with ballots, the sort of the new candidates and their merge into the list with shuffles. An
+// iteration then has two block barriers (candidates published, distances published) instead of
+// about seven, which is what a small batch waits on (ncu: barrier stalls dominate). Same
+// algorithm, same expansions and the same list as block_iterations. Entered after the entry
+// points were merged into list_d/list_i; leaves the final list there, after a __syncthreads.
+template <typename T, int TEAM, int ROWS>
+__device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query,
+                                Scalars& s, float* list_d, uint32_t* list_i, float* cand_d, uint32_t* cand_i,
+                                uint32_t* table) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const int tid = threadIdx.x, lane = tid % kWarpSize;
+  const unsigned below = (1u << lane) - 1u;
+  const int hash_size = 1 << a.hash_bits, half_table = hash_size / 2;
+  // The list in warp 0's registers: lane l holds positions r * 32 + l.
+  float d[ROWS];
+  uint32_t id[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const int pos = r * kWarpSize + lane;
+    d[r] = tid < kWarpSize && pos < a.list_cap ? list_d[pos] : kInf;
+    id[r] = tid < kWarpSize && pos < a.list_cap ? list_i[pos] : kEmptyId;
+  }
+  int iter = 0;  // warp 0's count of iterations, as block_iterations counts them
+  for (;;) {
+    if (tid < kWarpSize) {
+      int n = 0;
+      bool done = false;
+      while (n == 0 && !done) {  // a parent whose neighbours were all seen costs no barrier
+        if (a.max_iters != 0 && iter >= a.max_iters) {
+          done = true;
+          break;
+        }
+        ++iter;
+        // Parents: the first search_width unexpanded entries in list order.
+        int found = 0;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          const bool open = r * kWarpSize + lane < a.list_size && id[r] != kEmptyId && (id[r] & kExpanded) == 0u;
+          const unsigned bits = __ballot_sync(kFullMask, open);
+          const int pos = found + __popc(bits & below);
+          if (open && pos < a.search_width) {
+            s.parents[pos] = id[r];
+            id[r] |= kExpanded;
+          }
+          found = min(found + __popc(bits), a.search_width);
+        }
+        if (found == 0) {
+          done = true;
+          break;
+        }
+        __syncwarp();  // the parents and the hash count are visible to every lane
+        if (s.hash_count + found * a.degree > half_table) {  // as block_iterations resets
+          for (int i = lane; i < hash_size; i += kWarpSize) table[i] = kHashFree;
+          if (lane == 0) s.hash_count = 0;
+          __syncwarp();
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) {
+            if (id[r] != kEmptyId) hash_insert(table, a.hash_bits, id[r] & kIdMask, &s.hash_count);
+          }
+          __syncwarp();
+        }
+        // Expand: lane j takes neighbour slot j of the round; new ids are packed in lane order.
+        bool fresh = false;
+        uint32_t u = 0u;
+        if (lane < found * a.degree) {
+          const int p = lane / a.degree, j = lane - p * a.degree;
+          const int32_t v = __ldg(a.graph + static_cast<int64_t>(s.parents[p] & kIdMask) * a.degree + j);
+          u = static_cast<uint32_t>(v);
+          fresh = v >= 0 && v < a.n && hash_insert(table, a.hash_bits, u, &s.hash_count);
+        }
+        const unsigned bits = __ballot_sync(kFullMask, fresh);
+        if (fresh) cand_i[__popc(bits & below)] = u;
+        n = __popc(bits);
+        __syncwarp();  // every lane has read s.parents before the next round may rewrite them
+      }
+      if (lane == 0) {
+        s.n_cand = n;
+        s.done = done;
+        if (!done) s.evaluated += n;  // thread 0 alone writes and reads it
+      }
+    }
+    __syncthreads();  // candidates published
+    if (s.done) break;  // block-uniform
+    const int n = s.n_cand;
+    compute_distances<T, TEAM>(a, x, query, n, cand_d, cand_i);
+    __syncthreads();  // distances published; no warp reads cand, n_cand or done again before the next barrier
+    if (tid < kWarpSize) {
+      float cd = lane < n ? cand_d[lane] : kInf;
+      uint32_t ci = lane < n ? cand_i[lane] : kEmptyId;
+      warp_sort32(cd, ci);
+      warp_merge<ROWS>(d, id, cd, ci, a.list_size);
+    }
+  }
+  if (tid < kWarpSize) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int pos = r * kWarpSize + lane;
+      if (pos < a.list_cap) {
+        list_d[pos] = d[r];
+        list_i[pos] = id[r];
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// One search per block. ROWS > 0: the list lives in warp 0's registers (warp_iterations, ROWS
+// rows of 32 keys); 0: block_iterations. A kernel per variant, so that each is compiled for the
+// registers it needs.
+template <typename T, int TEAM, int ROWS>
+__global__ void __launch_bounds__(kMaxThreads)
+    search_kernel(const T* __restrict__ x, const T* __restrict__ queries, const SearchArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ Scalars s;
+  float* list_d = reinterpret_cast<float*>(smem);
+  uint32_t* list_i = reinterpret_cast<uint32_t*>(list_d + a.list_cap);
+  float* res_d = reinterpret_cast<float*>(list_i + a.list_cap);
+  uint32_t* res_i = reinterpret_cast<uint32_t*>(res_d + a.result_cap);
+  float* cand_d = reinterpret_cast<float*>(res_i + a.result_cap);
+  uint32_t* cand_i = reinterpret_cast<uint32_t*>(cand_d + a.cand_cap);
+  uint32_t* table = cand_i + a.cand_cap;
+
+  const int tid = threadIdx.x;
+  const uint32_t qi = blockIdx.x / a.searches, search = blockIdx.x % a.searches;
+  const T* query = queries + static_cast<int64_t>(qi) * a.dim;
+  const int hash_size = 1 << a.hash_bits;
+
+  for (int i = tid; i < hash_size; i += blockDim.x) table[i] = kHashFree;
+  for (int i = tid; i < a.list_cap; i += blockDim.x) {
+    list_d[i] = std::numeric_limits<float>::infinity();
+    list_i[i] = kEmptyId;
+  }
+  for (int i = tid; i < a.result_cap; i += blockDim.x) {
+    res_d[i] = std::numeric_limits<float>::infinity();
+    res_i[i] = kEmptyId;
+  }
+  if (tid == 0) {
+    s.n_cand = 0;
+    s.hash_count = 0;
+    s.evaluated = 0;
+  }
+  __syncthreads();
+
+  // Entry points: the CPU's draws, counter (query, search, e); repeats are dropped by the hash.
+  for (int e = tid; e < a.entries; e += blockDim.x) {
+    const uint32_t r = random_u32(a.seed, Stream::kEntryPoints, qi, search, static_cast<uint32_t>(e));
+    const uint32_t id = random_below(r, static_cast<uint32_t>(a.n));
+    if (hash_insert(table, a.hash_bits, id, &s.hash_count)) cand_i[atomicAdd(&s.n_cand, 1)] = id;
+  }
+  __syncthreads();
+  evaluate_and_merge<T, TEAM>(a, x, query, s, list_d, list_i, res_d, res_i, cand_d, cand_i);
+
+  if constexpr (ROWS > 0) {
+    warp_iterations<T, TEAM, ROWS>(a, x, query, s, list_d, list_i, cand_d, cand_i, table);
+  } else {
+    block_iterations<T, TEAM>(a, x, query, s, list_d, list_i, res_d, res_i, cand_d, cand_i, table);
   }
 
   const float* best_d = a.allowed != nullptr ? res_d : list_d;
@@ -516,7 +528,9 @@ int log2_of(int64_t pow2) {
 template <typename T, int TEAM>
 void launch(const at::Tensor& x, const at::Tensor& q, const SearchArgs& a, int threads, size_t smem,
             cudaStream_t stream) {
-  auto kernel = search_kernel<T, TEAM>;
+  auto kernel = a.warp_rows == 2   ? search_kernel<T, TEAM, 2>
+                : a.warp_rows == 4 ? search_kernel<T, TEAM, 4>
+                                   : search_kernel<T, TEAM, 0>;
   if (smem + kStaticShared > 48 * 1024) {
     // Above the default 48 KiB (static + dynamic) the kernel must opt in; a host-side
     // attribute, no sync, so it is also allowed while a CUDA graph is being captured.
@@ -573,7 +587,9 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   a.search_width = p.search_width;
   a.max_iters = p.max_iters;
   const bool warp_fits = !filter.has_value() && a.list_cap <= kMaxWarpRows * kWarpSize && per_round <= kWarpSize;
-  a.warp_rows = warp_fits ? std::max(1, a.list_cap / kWarpSize) : 0;
+  // Two rows at least: a one-row variant spilled registers (ptxas, sm_90) and would add a kernel
+  // per storage type and team for lists of at most 32.
+  a.warp_rows = warp_fits ? std::max(2, a.list_cap / kWarpSize) : 0;  // list_cap is a power of two
   a.entries = static_cast<int>(std::min<int64_t>(a.list_size, n));
 
   // Visited hash: must hold list + results + one round at load <= 1/2 (the no-duplicate
