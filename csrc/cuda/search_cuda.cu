@@ -474,20 +474,6 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// Lanes per distance, by row size in bytes: enough lanes that each issues at most about four
-// 16-byte loads per row, no more, so that short rows keep many distances in flight per block.
-// The team depends on the row alone, never on the block size, so a query's distances, and so
-// its results, do not depend on the batch. (Halving the team for 384 float16 rows, so that a
-// 256-thread block covers a round in one pass, plus an L2 prefetch of each list entrant's
-// adjacency row, measured on the H200 on 1M real rows: batch 10 000 at list 64 1.71M q/s
-// against 1.76M, batch 1 at list 16 0.204 ms against 0.198 ms; not kept.)
-int pick_team(int64_t row_bytes) {
-  if (row_bytes <= 128) return 4;
-  if (row_bytes <= 512) return 8;
-  if (row_bytes <= 1024) return 16;
-  return 32;
-}
-
 // Threads per block. A query's iterations are serial and each ends in
 // block-wide barriers, so few threads lose little per query while many resident blocks hide
 // each other's barrier and memory stalls; a batch that cannot fill the GPU is latency-bound
@@ -614,7 +600,7 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   a.out_ids = part_ids.data_ptr<int64_t>();
 
   const int threads = pick_threads(nq * a.searches, sms, a.list_cap);
-  const int team = pick_team(static_cast<int64_t>(a.dim) * x.element_size());
+  const int team = team_for_row(static_cast<int64_t>(a.dim) * x.element_size());
   GRNND_DISPATCH_STORAGE(x.scalar_type(), "search_cuda", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "search_cuda: float64 storage should have been narrowed by prepare_vectors");
