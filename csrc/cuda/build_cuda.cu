@@ -38,10 +38,18 @@ __device__ __forceinline__ uint32_t pack_slot(int32_t id, bool is_new) {
   return static_cast<uint32_t>(id) | (is_new ? kNewBit : 0u);
 }
 
-// Eight warps (eight vertices) per block: the per-warp scratch below stays within the default
-// 48 KiB of shared memory per block even at pool_size = kMaxPoolSize.
-constexpr int kWarpsPerBlock = 8;
+// Two warps (two vertices) per block. Warps share nothing but the block's slot on the SM, which
+// a block holds until its slowest vertex is done: with eight per block, ncu saw 28 of 40
+// possible warps per SM active. The per-warp scratch below stays within the default 48 KiB of
+// shared memory per block even at pool_size = kMaxPoolSize.
+constexpr int kWarpsPerBlock = 2;
 constexpr int kBlockThreads = kWarpsPerBlock * kWarpSize;
+// Resident warps per SM update_kernel is compiled for. Without a bound the compiler takes 64
+// registers a thread, which fits 32 warps, and ncu showed a latency-bound kernel (21 warps
+// active, an instruction every 2.1 cycles per scheduler). At 40 (48 registers, a few bytes
+// spilled) the 1M x 384 float16 build took 0.562 s against 0.634 s (H200, eight warps a block);
+// two warps a block then took it to 0.506 s, and 48 warps (42 registers) to 0.525 s.
+constexpr int kUpdateWarpsPerSm = 40;
 // Words of shared scratch per pool slot and warp: slot, dist, key, order, kept, cmp.
 constexpr int kScratchWords = 6;
 static_assert(kWarpsPerBlock * kScratchWords * kMaxPoolSize * 4 <= 48 * 1024, "scratch exceeds 48 KiB");
@@ -219,11 +227,7 @@ __device__ __forceinline__ void visit_order(const WarpScratch& s, int count, int
 // rule to them in kept order (identical scalar logic on every lane); the next batch is only
 // computed if a is still kept, so at most kTeams - 1 distances are spent past the CPU's stop.
 template <typename T, int TEAM>
-// Five blocks per SM: at 64 registers a thread (the compiler's choice without the bound) only
-// four fit, and ncu showed a latency-bound kernel at 21 of 32 possible warps per SM issuing
-// every 2.1 cycles. With the bound (48 registers, a few bytes spilled) the 1M x 384 float16
-// build took 0.562 s against 0.634 s (H200).
-__global__ void __launch_bounds__(kBlockThreads, 5)
+__global__ void __launch_bounds__(kBlockThreads, kUpdateWarpsPerSm / kWarpsPerBlock)
     update_kernel(const T* __restrict__ x, DevicePools pools, BuildArgs args, int read, uint32_t round) {
   constexpr int kTeams = kWarpSize / TEAM;
   const int64_t v = warp_vertex();
