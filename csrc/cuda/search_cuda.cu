@@ -315,10 +315,9 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
           break;
         }
         __syncwarp();  // the parents and the hash count are visible to every lane
-        // Lane 0 reads the count for the warp: a lane reading it itself could do so after lane 0
-        // has zeroed it below (lanes of a warp need not run in step).
-        const int hash_count = __shfl_sync(kFullMask, lane == 0 ? s.hash_count : 0, 0);
-        if (hash_count + found * a.degree > half_table) {  // as block_iterations resets
+        // Warp-uniform: the count changes only after the __syncwarp below (or in the expansion).
+        if (s.hash_count + found * a.degree > half_table) {  // as block_iterations resets
+          __syncwarp();  // every lane has read the count before lane 0 zeroes it
           for (int i = lane; i < hash_size; i += kWarpSize) table[i] = kHashFree;
           if (lane == 0) s.hash_count = 0;
           __syncwarp();
