@@ -6,8 +6,8 @@
 
 The first build is the warm-up: with the default parameters it launches 18 update rounds
 (3 outer x 6 inner), so --launch-skip 24 lands on the seventh round of the second build, the
-first of its second outer iteration. Build parameters can be
-given after the path, e.g. pool_size=64.
+first of its second outer iteration. Build parameters can be given after the path, e.g.
+pool_size=64 (then count the rounds again).
 """
 import sys
 
