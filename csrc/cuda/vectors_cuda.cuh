@@ -100,9 +100,10 @@ __device__ __forceinline__ float team_distance(const T* a, const T* b, int dim, 
 // the batch or block size, so results do not either. Measured on the H200 (1M x 384 float16 real
 // rows, 768 bytes): the build with teams of 16 (two distances per warp, three loads per lane)
 // took 0.634 s against 0.828 s with whole-warp teams (1.5 loads per lane, one distance per
-// warp). For the search, teams of 8 on these rows (plus an L2 prefetch of each list entrant's
-// adjacency row) gave batch 10 000 at list 64 1.71M q/s against 1.76M, batch 1 at list 16
-// 0.204 ms against 0.198 ms; not kept.
+// warp); teams of 8 were slower again (0.537 s against 0.506 s, after the occupancy changes in
+// build_cuda.cu). For the search, teams of 8 on these rows (plus an L2 prefetch of each list
+// entrant's adjacency row) gave batch 10 000 at list 64 1.71M q/s against 1.76M, batch 1 at
+// list 16 0.204 ms against 0.198 ms; not kept.
 inline int team_for_row(int64_t row_bytes) {
   if (row_bytes <= 128) return 4;
   if (row_bytes <= 512) return 8;
