@@ -9,18 +9,18 @@ The first build is the warm-up: with the default parameters it launches 18 updat
 first of its second outer iteration. Build parameters can be given after the path, e.g.
 pool_size=64 (then count the rounds again).
 """
+import os
 import sys
 
 import torch
 
-import torch_grnnd as grnnd
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch_grnnd as grnnd  # noqa: E402
+from benchmarks.bench_gpu import parse_build  # noqa: E402
 
 
 def main(path: str, overrides: list):
-    params = {}
-    for item in overrides:
-        key, value = item.split("=")
-        params[key] = int(value) if value.lstrip("-").isdigit() else value
+    params = parse_build(",".join(overrides))
     data = torch.load(path, map_location="cuda")["base"].contiguous()
     for _ in range(2):
         grnnd.build(data, **params)
