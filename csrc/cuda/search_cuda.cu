@@ -43,8 +43,13 @@ constexpr uint32_t kHashFree = 0xffffffffu;
 constexpr int kMaxSearchWidth = 32;          // = params.h bound; parents live in one warp's ballot
 constexpr int kMaxThreads = 512;
 constexpr int kMaxWarpRows = 4;              // warp_iterations holds lists of up to 4 * 32 keys
-// searches_for_batch: blocks per SM a split batch aims at, and the fewest searches worth a split.
-constexpr int kSplitBlocksPerSm = 16;
+// Chunks of a row in flight per lane in warp_iterations' distances (team_visit). The general loop
+// keeps 1: it was not measured with more on its own.
+constexpr int kWarpLoopChunksInFlight = 4;
+// searches_for_batch: the largest batch it splits (queries per SM), the blocks per SM a split
+// aims at, and the fewest searches worth a split.
+constexpr int kMaxSplitQueriesPerSm = 2;
+constexpr int kSplitBlocksPerSm = 8;
 constexpr int kMinSplit = 8;
 // Visited set: open addressing with linear probing over 2^bits slots. Returns true when `key`
 // was not there and this call inserted it. Every probe is an atomicCAS (no plain read racing
@@ -106,8 +111,9 @@ static_assert(sizeof(Scalars) <= kStaticShared, "Scalars outgrew its shared-memo
 
 // Team-cooperative distances of cand[0, n) to the query into cand_d (seed 002: warp-cooperative
 // distance with 16-byte loads; the team size is matched to the row so that short rows do not
-// idle most of a warp). Called by the whole block; no barrier inside.
-template <typename T, int TEAM>
+// idle most of a warp). Called by the whole block; no barrier inside. IN_FLIGHT: chunks of a
+// row each lane loads at once (team_visit).
+template <typename T, int TEAM, int IN_FLIGHT = 1>
 __device__ __forceinline__ void compute_distances(const SearchArgs& a, const T* __restrict__ x,
                                                   const T* __restrict__ query, int n, float* cand_d,
                                                   const uint32_t* cand_i) {
@@ -123,8 +129,9 @@ __device__ __forceinline__ void compute_distances(const SearchArgs& a, const T* 
     const uint32_t u = valid ? cand_i[c] : 0u;
     const T* row = x + static_cast<int64_t>(u) * a.dim;
     const int dim = valid ? a.dim : 0;
-    float dist = a.metric == Metric::kCosine ? team_cosine<TEAM, T, /*kUnitA=*/true>(query, row, dim, rank)
-                                             : team_distance<TEAM>(query, row, dim, a.metric, rank);
+    float dist = a.metric == Metric::kCosine
+                     ? team_cosine<TEAM, T, /*kUnitA=*/true, IN_FLIGHT>(query, row, dim, rank)
+                     : team_distance<TEAM, IN_FLIGHT>(query, row, dim, a.metric, rank);
     if (isnan(dist)) dist = std::numeric_limits<float>::infinity();  // NaN would break the sort order
     if (valid && rank == 0) cand_d[c] = dist;
   }
@@ -350,7 +357,7 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
     __syncthreads();  // candidates published
     if (s.done) break;  // block-uniform
     const int n = s.n_cand;
-    compute_distances<T, TEAM>(a, x, query, n, cand_d, cand_i);
+    compute_distances<T, TEAM, kWarpLoopChunksInFlight>(a, x, query, n, cand_d, cand_i);
     __syncthreads();  // distances published; no warp reads cand, n_cand or done again before the next barrier
     if (tid < kWarpSize) {
       float cd = lane < n ? cand_d[lane] : kInf;
@@ -374,9 +381,11 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
 
 // One search per block. ROWS > 0: the list lives in warp 0's registers (warp_iterations, ROWS
 // rows of 32 keys); 0: block_iterations. A kernel per variant, so that each is compiled for the
-// registers it needs.
+// registers it needs, at most 64 (two blocks of kMaxThreads per SM): with
+// kWarpLoopChunksInFlight chunks in flight ptxas otherwise takes 100-128 registers, which halves
+// the resident blocks of a large batch; at 64 it spills a few bytes (ptxas -v, sm_90).
 template <typename T, int TEAM, int ROWS>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kMaxThreads, 2)
     search_kernel(const T* __restrict__ x, const T* __restrict__ queries, const SearchArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ Scalars s;
@@ -490,16 +499,18 @@ int pick_threads(int64_t blocks, int sms, int list_cap) {
   return std::max(for_batch, for_list);
 }
 
-// Independent searches per query when the caller leaves it to us: enough blocks that a small
-// batch occupies the GPU, none for a batch that already does. Fewer than kMinSplit searches keep
-// lists as long as the whole list (list_per_search), so they would only multiply the work.
-// Measured on the H200 (1M x 384 real embeddings, batches timed from Python): at batch 100, 16
-// searches per query reached 121K q/s at recall 0.951 where one reached 85K at 0.952, and 2 were
-// slower than 1 at every list size; at batch 1000 a split of 8 lost to one search at equal recall.
+// Independent searches per query when the caller leaves it to us: for a batch of at most
+// kMaxSplitQueriesPerSm queries per SM, about kSplitBlocksPerSm blocks per SM, none for a batch
+// that fills the GPU by itself. Fewer than kMinSplit searches keep lists as long as the whole
+// list (list_per_search), so they would only multiply the work. Measured on the H200 (1M x 384
+// real embeddings, descending-order graph, batches of 100 timed from Python, list 16): 10
+// searches per query (1000 blocks) ran at 315K q/s, recall 0.953; 8 at 311K, 0.946; 12 at 246K,
+// 0.956 (1200 blocks get 64 threads each, pick_threads); 21 (16 blocks per SM) at 221K, 0.970.
+// Earlier, at batch 1000 a split of 8 lost to one search at equal recall.
 int searches_for_batch(int64_t queries, int sms, int k) {
+  if (queries > kMaxSplitQueriesPerSm * static_cast<int64_t>(sms)) return 1;
   const int64_t fill = kSplitBlocksPerSm * static_cast<int64_t>(sms) / std::max<int64_t>(queries, 1);
-  if (fill < kMinSplit) return 1;
-  return static_cast<int>(std::min<int64_t>(fill, max_searches_for_k(k)));
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(fill, kMinSplit), max_searches_for_k(k)));
 }
 
 size_t shared_bytes(const SearchArgs& a, int hash_bits) {
