@@ -11,7 +11,7 @@ import torch_grnnd as grnnd
 def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     for dtype, metric, dim in [(torch.float32, "l2", 32), (torch.float16, "cosine", 64), (torch.bfloat16, "ip", 30),
-                               (torch.float32, "l2", 3)]:
+                               (torch.float32, "l2", 3), (torch.float32, "l2", 1100)]:
         data = torch.randn(1500, dim, generator=g, device="cuda").to(dtype)
         graph = grnnd.build(data, metric=metric, outer_iters=2, inner_iters=2)
         for width in (1, 2):

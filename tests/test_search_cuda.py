@@ -350,6 +350,29 @@ def test_odd_dim(dtype):
     assert grnnd.recall(ids, truth) >= grnnd.recall(cpu_ids, truth) - 0.01
 
 
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_wide_rows_take_several_load_rounds(dtype, metric):
+    """Rows of 4400 bytes: each lane of a 32-lane team loads 8-9 chunks of a row, more than the
+    warp loop keeps in flight at once (team_visit), so a distance takes several rounds of loads,
+    the last one partial. The warp loop and the general loop (one chunk at a time) must still
+    return identical results, with the distances of the float64 reference."""
+    n, dim = 3_000, 4400 // torch.tensor([], dtype=dtype).element_size()
+    x = clustered(n, dim, 20, seed=9).to(dtype)
+    queries = clustered(100, dim, 20, seed=9)[:100].to(dtype) + 0.01
+    graph = grnnd.build(x.float(), degree=16, metric=metric)
+    kw = dict(list_size=64, searches=1, metric=metric)
+    warp = grnnd.search(x.cuda(), graph.cuda(), queries.cuda(), K, **kw)
+    general = grnnd.search(x.cuda(), graph.cuda(), queries.cuda(), K, filter=torch.ones(n, dtype=torch.bool,
+                                                                                        device="cuda"), **kw)
+    assert torch.equal(warp[1], general[1]) and torch.equal(warp[0], general[0])
+    check_rows(*warp, n)
+    ref = reference_distances(x, queries, warp[1], metric).float()
+    torch.testing.assert_close(warp[0].cpu(), ref, rtol=1e-3, atol=1e-3)
+    truth = exact(x, queries, K, metric)
+    assert grnnd.recall(warp[1], truth) >= 0.9
+
+
 def test_tiny_complete_graph_is_exact():
     """With fewer rows than list_size and every edge present the search is exhaustive."""
     n = 50
