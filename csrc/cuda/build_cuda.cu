@@ -50,6 +50,11 @@ constexpr int kBlockThreads = kWarpsPerBlock * kWarpSize;
 // spilled) the 1M x 384 float16 build took 0.562 s against 0.634 s (H200, eight warps a block);
 // two warps a block then took it to 0.506 s, and 48 warps (42 registers) to 0.525 s.
 constexpr int kUpdateWarpsPerSm = 40;
+// Chunks of a row each lane loads before using the first in the build's distances (team_visit).
+// More than one made the 1M x 384 float16 build slower (H200): 0.57 s with two or three, 0.61 s
+// with four as in the search, against 0.51 s: the pair loop then spills under the register bound
+// above.
+constexpr int kBuildChunksInFlight = 1;
 // Words of shared scratch per pool slot and warp: slot, dist, key, order, kept, cmp.
 constexpr int kScratchWords = 6;
 static_assert(kWarpsPerBlock * kScratchWords * kMaxPoolSize * 4 <= 48 * 1024, "scratch exceeds 48 KiB");
@@ -95,7 +100,8 @@ struct BuildArgs {
 template <int TEAM, typename T>
 __device__ __forceinline__ float row_distance(const T* __restrict__ x, const BuildArgs& args, int64_t a, int64_t b,
                                               bool valid, int rank) {
-  float d = team_distance<TEAM>(x + a * args.dim, x + b * args.dim, valid ? args.dim : 0, args.metric, rank);
+  float d = team_distance<TEAM, kBuildChunksInFlight>(x + a * args.dim, x + b * args.dim, valid ? args.dim : 0,
+                                                      args.metric, rank);
   if (args.lift != nullptr && valid) {
     const float t = args.lift[a] - args.lift[b];
     d += t * t;

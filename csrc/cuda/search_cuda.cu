@@ -380,13 +380,11 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
 }
 
 // One search per block. ROWS > 0: the list lives in warp 0's registers (warp_iterations, ROWS
-// rows of 32 keys); 0: block_iterations. A kernel per variant, so that each is compiled for the
-// registers it needs, at most 64 (two blocks of kMaxThreads per SM): with
-// kWarpLoopChunksInFlight chunks in flight ptxas otherwise takes 100-128 registers, which halves
-// the resident blocks of a large batch; at 64 it spills a few bytes (ptxas -v, sm_90).
+// rows of 32 keys); 0: block_iterations. Each variant is a kernel of its own (below), so that
+// each is compiled for the registers it needs.
 template <typename T, int TEAM, int ROWS>
-__global__ void __launch_bounds__(kMaxThreads, 2)
-    search_kernel(const T* __restrict__ x, const T* __restrict__ queries, const SearchArgs a) {
+__device__ __forceinline__ void search_block(const T* __restrict__ x, const T* __restrict__ queries,
+                                             const SearchArgs& a) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ Scalars s;
   float* list_d = reinterpret_cast<float*>(smem);
@@ -443,6 +441,24 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
     a.out_ids[out + j] = found ? static_cast<int64_t>(id) : -1;
   }
   if (a.counts != nullptr && tid == 0) atomicAdd(a.counts + qi, s.evaluated);
+}
+
+// The general loop, with the register budget ptxas picks for kMaxThreads (53-64 registers on sm_90).
+template <typename T, int TEAM>
+__global__ void __launch_bounds__(kMaxThreads)
+    search_kernel(const T* __restrict__ x, const T* __restrict__ queries, const SearchArgs a) {
+  search_block<T, TEAM, 0>(x, queries, a);
+}
+
+// The warp loop, bounded to 64 registers (two blocks of kMaxThreads per SM): with
+// kWarpLoopChunksInFlight chunks in flight ptxas otherwise takes 100-128, which halves the
+// resident blocks of a large batch; at 64 it spills a few bytes (ptxas -v, sm_90). The bound is
+// the kernel's own: under it the general loop ran 5% slower at list 256 (467K against 490K q/s,
+// 1M x 384 float16, H200).
+template <typename T, int TEAM, int ROWS>
+__global__ void __launch_bounds__(kMaxThreads, 2)
+    warp_search_kernel(const T* __restrict__ x, const T* __restrict__ queries, const SearchArgs a) {
+  search_block<T, TEAM, ROWS>(x, queries, a);
 }
 
 // Merges the `searches` sorted parts of k results of each query (one block per query) into its
@@ -527,9 +543,9 @@ int log2_of(int64_t pow2) {
 template <typename T, int TEAM>
 void launch(const at::Tensor& x, const at::Tensor& q, const SearchArgs& a, int threads, size_t smem,
             cudaStream_t stream) {
-  auto kernel = a.warp_rows == 2   ? search_kernel<T, TEAM, 2>
-                : a.warp_rows == 4 ? search_kernel<T, TEAM, 4>
-                                   : search_kernel<T, TEAM, 0>;
+  auto kernel = a.warp_rows == 2   ? warp_search_kernel<T, TEAM, 2>
+                : a.warp_rows == 4 ? warp_search_kernel<T, TEAM, 4>
+                                   : search_kernel<T, TEAM>;
   if (smem + kStaticShared > 48 * 1024) {
     // Above the default 48 KiB (static + dynamic) the kernel must opt in; a host-side
     // attribute, no sync, so it is also allowed while a CUDA graph is being captured.
