@@ -1,12 +1,14 @@
 // Warp-cooperative building blocks shared by the CUDA kernels (seed 000, section 3.4):
-// lane prefixes for ballot compaction, a per-object warp lock, the farthest-entry max-reduce
-// and the bounded-set insert of Algorithm 6 (WARP_INSERT).
+// lane prefixes for ballot compaction, a per-object warp lock and the bounded-set insert of
+// Algorithm 6 (WARP_INSERT).
 //
 // Every function here is called by all 32 lanes of a warp together, with warp-uniform
 // arguments unless a parameter says otherwise.
 #pragma once
 
 #include <cstdint>
+
+#include <cuda/atomic>
 
 #include "vectors_cuda.cuh"
 
@@ -20,82 +22,79 @@ __device__ __forceinline__ unsigned lanes_below(int lane) { return (1u << lane) 
 // A spin lock per object (a pool, say) taken by a whole warp. Lane 0 takes it and the barrier
 // hands it to the other lanes; correct under Volta+ independent thread scheduling because only
 // lane 0 spins, and the rest of the warp waits at __syncwarp rather than in the spin loop.
-// The fences make what the previous holder wrote visible here (acquire) and what this warp
-// wrote visible to the next holder (release). A warp holds at most one lock at a time and does
-// no waiting while it holds one, so warps cannot deadlock on these.
+// Lane 0 takes the lock with acquire and hands it back with release semantics (device scope),
+// so what the previous holder wrote is visible here; the barrier before the release orders the
+// writes of every lane before it. Full fences (__threadfence, sequentially consistent) on both
+// sides cost the 1M x 384 float16 build 3.5% (0.508 s against 0.490 s, H200). A warp holds at
+// most one lock at a time and does no waiting while it holds one, so warps cannot deadlock.
 __device__ __forceinline__ void warp_lock(int* lock, int lane) {
   if (lane == 0) {
-    while (atomicCAS(lock, 0, 1) != 0) __nanosleep(32);
-    __threadfence();
+    ::cuda::atomic_ref<int, ::cuda::thread_scope_device> word(*lock);
+    int expected = 0;
+    while (!word.compare_exchange_weak(expected, 1, ::cuda::memory_order_acquire, ::cuda::memory_order_relaxed)) {
+      expected = 0;
+      __nanosleep(32);
+    }
   }
   __syncwarp();
 }
 
 __device__ __forceinline__ void warp_unlock(int* lock, int lane) {
   __syncwarp();
-  if (lane == 0) {
-    __threadfence();
-    atomicExch(lock, 0);
-  }
-}
-
-// Index of the largest value in values[0, count): the first one among equal maxima (as
-// std::max_element picks), -1 for an empty range. Reads through L2 (__ldcg) because the
-// values may have been written by another SM under a lock in this same kernel.
-__device__ __forceinline__ int warp_argmax(const float* values, int count, int lane, float* max_out) {
-  float best = 0.0f;
-  int at = -1;
-  for (int i = lane; i < count; i += kWarpSize) {
-    const float d = __ldcg(values + i);
-    if (at < 0 || d > best) {
-      best = d;
-      at = i;
-    }
-  }
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    const float other = __shfl_xor_sync(kFullMask, best, offset);
-    const int other_at = __shfl_xor_sync(kFullMask, at, offset);
-    if (other_at >= 0 && (at < 0 || other > best || (other == best && other_at < at))) {
-      best = other;
-      at = other_at;
-    }
-  }
-  *max_out = best;
-  return at;
+  if (lane == 0) ::cuda::atomic_ref<int, ::cuda::thread_scope_device>(*lock).store(0, ::cuda::memory_order_release);
 }
 
 // Algorithm 6 (WARP_INSERT) into a bounded set of (key, dist) entries in global memory:
-// `keys[0, *count)` with `capacity` slots. Entries compare by `key & id_mask` (the other bits
-// are flags the caller keeps in the key). Skip if present (ballot over the set), append if
-// there is room, else replace the farthest entry (warp max-reduce) if the newcomer is closer.
-// The caller holds the set's lock (warp_lock); only lane 0 writes, and the closing barrier
-// orders that write before the warp's next insert into the same set. Returns whether it stored.
-__device__ __forceinline__ bool warp_insert_locked(uint32_t* keys, float* dists, int* count_ptr, int capacity,
-                                                   uint32_t id_mask, uint32_t key, float dist, int lane) {
+// keys[0, count) with `capacity` slots. Entries compare by `key & id_mask` (the other bits are
+// flags the caller keeps in the key). Skip if present (ballot over the set), append if there is
+// room, else replace the farthest entry (warp max-reduce; the first among equal maxima, as
+// std::max_element picks) if the newcomer is closer. The caller holds the set's lock; only
+// lane 0 writes, and the closing barrier orders that write before the warp's next insert.
+// Reads go through L2 (__ldcg): other SMs wrote the set under its lock in this same kernel.
+// One pass reads each slot's key and distance together, for all `capacity` slots whatever the
+// count (slots past it hold stale entries and are ignored), so the loads do not wait for the
+// count. Returns the new count; the caller stores it.
+__device__ __forceinline__ int warp_insert_locked(uint32_t* keys, float* dists, int count, int capacity,
+                                                  uint32_t id_mask, uint32_t key, float dist, int lane) {
   const uint32_t id = key & id_mask;
-  const int count = __ldcg(count_ptr);
   bool found = false;
-  for (int i = lane; i < count; i += kWarpSize) found |= (__ldcg(keys + i) & id_mask) == id;
-  if (__any_sync(kFullMask, found)) return false;
-  bool stored = true;
+  float farthest = 0.0f;
+  int at = -1;
+  for (int i = lane; i < capacity; i += kWarpSize) {
+    const uint32_t k = __ldcg(keys + i);
+    const float d = __ldcg(dists + i);
+    if (i < count) {
+      found |= (k & id_mask) == id;
+      if (at < 0 || d > farthest) {
+        farthest = d;
+        at = i;
+      }
+    }
+  }
+  if (__any_sync(kFullMask, found)) return count;
   if (count < capacity) {
     if (lane == 0) {
       keys[count] = key;
       dists[count] = dist;
-      *count_ptr = count + 1;
     }
-  } else {
-    float farthest;
-    const int at = warp_argmax(dists, capacity, lane, &farthest);
-    stored = dist < farthest;
-    if (stored && lane == 0) {
-      keys[at] = key;
-      dists[at] = dist;
+    __syncwarp();
+    return count + 1;
+  }
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const float other = __shfl_xor_sync(kFullMask, farthest, offset);
+    const int other_at = __shfl_xor_sync(kFullMask, at, offset);
+    if (other_at >= 0 && (at < 0 || other > farthest || (other == farthest && other_at < at))) {
+      farthest = other;
+      at = other_at;
     }
   }
+  if (dist < farthest && lane == 0) {
+    keys[at] = key;
+    dists[at] = dist;
+  }
   __syncwarp();
-  return stored;
+  return count;
 }
 
 // Ranks items 0..count-1 by a strict total order and writes order[rank] = item for every
