@@ -9,7 +9,8 @@ Measures (CUDA events, after a warm-up; extension compile excluded):
   - torch_grnnd build time, peak extra GPU memory, out-degree;
   - torch_grnnd search QPS-recall@10 curve at batch --batch, sweeping list_size (and search_width),
     with the distances computed per query (search_distance_counts);
-  - with --ablation: update order and reverse_ratio sweeps (build time, recall at list 64);
+  - with --ablation: update order (the three of the paper, and descending_then_random) and
+    reverse_ratio sweeps (build time, recall at list 64);
   - with --sweep CFG ...: the same for any build configurations (e.g. "update_order=descending,
     inner_iters=4"), plus search QPS and distances per query at list 64;
   - with --exact-graph: plain-PyTorch exact k-NN graph (k = degree) of all points, float16;
@@ -225,7 +226,7 @@ def main():
 
     if args.ablation:
         rows = []
-        for order in ("random", "ascending", "descending"):
+        for order in ("random", "ascending", "descending", "descending_then_random"):
             for rho in ((0.2, 0.4, 0.6, 0.8, 1.0) if order == "random" else (0.6,)):
                 g, secs = cuda_time(lambda: grnnd.build(base, **{**params, "update_order": order, "reverse_ratio": rho}))
                 _, ids = grnnd.search(base, g, queries[:args.batch], 10, list_size=64)

@@ -18,7 +18,10 @@ UpdateOrder parse_update_order(const std::string& name) {
   if (name == "random") return UpdateOrder::kRandom;
   if (name == "ascending") return UpdateOrder::kAscending;
   if (name == "descending") return UpdateOrder::kDescending;
-  TORCH_CHECK_VALUE(false, "update_order: expected one of \"random\", \"ascending\", \"descending\", got \"",
+  if (name == "descending_then_random") return UpdateOrder::kDescendingThenRandom;
+  TORCH_CHECK_VALUE(false,
+                    "update_order: expected one of \"random\", \"ascending\", \"descending\", "
+                    "\"descending_then_random\", got \"",
                     name, "\"");
 }
 

@@ -122,7 +122,7 @@ def test_reverse_edges_match_cpu():
     assert same_rows(grnnd.build(data, **kw), grnnd.build(data.cuda(), **kw)) >= 0.995
 
 
-@pytest.mark.parametrize("update_order", ["random", "ascending", "descending"])
+@pytest.mark.parametrize("update_order", ["random", "ascending", "descending", "descending_then_random"])
 @pytest.mark.parametrize("reverse_ratio", [0.0, 0.6])
 def test_components_switch(dataset, update_order, reverse_ratio):
     data, queries = dataset

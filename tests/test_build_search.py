@@ -206,6 +206,22 @@ def test_same_seed_one_thread_is_reproducible():
     assert not torch.equal(a, c)
 
 
+def test_descending_then_random_orders_each_outer_iteration():
+    # Descending in every outer iteration but the last, random in the last: with one outer
+    # iteration it is the random build, with two it is neither of the plain orders.
+    data = clustered(3000, 16, 20, seed=9)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        build = lambda order, outer: grnnd.build(data, update_order=order, outer_iters=outer, inner_iters=3)  # noqa: E731
+        assert torch.equal(build("descending_then_random", 1), build("random", 1))
+        mixed = build("descending_then_random", 2)
+        assert not torch.equal(mixed, build("random", 2))
+        assert not torch.equal(mixed, build("descending", 2))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_tiny_inputs():
     data = torch.randn(2, 3)
     graph = grnnd.build(data, degree=4, pool_size=4, initial_degree=4)

@@ -111,6 +111,7 @@ void visit_order(const Pools& pools, int buf, int64_t v, uint32_t round, const B
   std::iota(order.begin(), order.end(), 0);
   switch (p.update_order) {
     case UpdateOrder::kRandom:
+    case UpdateOrder::kDescendingThenRandom:  // resolved per outer iteration (order_for_iteration)
       keys.resize(count);
       for (int i = 0; i < count; ++i) {
         keys[i] = random_u32(p.seed, Stream::kVisitOrder, static_cast<uint32_t>(v), round, i);
@@ -209,13 +210,15 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
   int read = 0;
   uint32_t round = 0;
   for (int t1 = 0; t1 < p.outer_iters; ++t1) {
+    BuildParams iteration = p;
+    iteration.update_order = order_for_iteration(p.update_order, t1, p.outer_iters);
     for (int t2 = 0; t2 < p.inner_iters; ++t2) {
       ++round;
       pools.clear(read ^ 1);
       parallel_dynamic(n, 64, [&](int64_t v) {
         thread_local std::vector<int> order, kept;
         thread_local std::vector<uint32_t> keys;
-        update_vertex(vectors, pools, read, v, round, p, order, keys, kept);
+        update_vertex(vectors, pools, read, v, round, iteration, order, keys, kept);
       });
       read ^= 1;
     }

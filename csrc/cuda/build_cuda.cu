@@ -3,7 +3,8 @@
 // One warp per vertex (section 3.4) does what one CPU thread does in update_vertex, in the same
 // order and with the same random draws (csrc/philox.h), so the two builds differ only through
 // the timing of concurrent inserts and float rounding. The four GRNND components map to:
-//   1. disordered propagation  -> visit_order (update_order = random | ascending | descending),
+//   1. disordered propagation  -> visit_order (update_order = random | ascending | descending |
+//                                 descending_then_random),
 //   2. warp-level cooperation  -> team distances, ballot dedupe and max-reduce (warp_cuda.cuh),
 //   3. double-buffered pools   -> DevicePools, two [N, R] buffers, `read` flips every round,
 //   4. reverse-edge sampling   -> reverse_kernel (reverse_ratio = 0 switches it off).
@@ -213,6 +214,7 @@ __device__ __forceinline__ void visit_order(const WarpScratch& s, int count, int
                                             const BuildArgs& args, int lane) {
   switch (args.update_order) {
     case UpdateOrder::kRandom:
+    case UpdateOrder::kDescendingThenRandom:  // resolved per outer iteration (order_for_iteration)
       for (int i = lane; i < count; i += kWarpSize) {
         s.key[i] = random_u32(args.seed, Stream::kVisitOrder, static_cast<uint32_t>(v), round, i);
       }
@@ -366,10 +368,12 @@ void run_build(const T* x, const DevicePools& pools, const BuildArgs& args, cons
   int read = 0;
   uint32_t round = 0;
   for (int t1 = 0; t1 < p.outer_iters; ++t1) {
+    BuildArgs iteration = args;
+    iteration.update_order = order_for_iteration(args.update_order, t1, p.outer_iters);
     for (int t2 = 0; t2 < p.inner_iters; ++t2) {
       ++round;
       C10_CUDA_CHECK(cudaMemsetAsync(pools.counts + (read ^ 1) * n, 0, n * sizeof(int), stream));
-      update_kernel<T, TEAM><<<blocks, kBlockThreads, shared, stream>>>(x, pools, args, read, round);
+      update_kernel<T, TEAM><<<blocks, kBlockThreads, shared, stream>>>(x, pools, iteration, read, round);
       check_launch();
       read ^= 1;
     }
