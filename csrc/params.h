@@ -28,7 +28,7 @@ Metric parse_metric(const std::string& name);
 // (seed 000, section 4.3 / Figure 7): random is GRNND's disordered propagation, ascending is
 // the sequential RNN-Descent order that traps a parallel build, descending is the ablation.
 // Descending then random walks descending in every outer iteration but the last and randomly in
-// the last: on real sentence embeddings descending built the better graph but cost 1.36x
+// the last: on real sentence embeddings descending built the better graph but cost 1.35x
 // random, and in the last outer iteration it bought little (README, Measured).
 enum class UpdateOrder { kRandom, kAscending, kDescending, kDescendingThenRandom };
 
