@@ -81,16 +81,25 @@ struct DevicePools {
   __device__ float* dists_of(int buf, int64_t v) const { return dists + (buf * n + v) * capacity; }
   __device__ int* count_of(int buf, int64_t v) const { return counts + buf * n + v; }
 
-  // Algorithm 6 into v's pool of buffer `buf`; other warps insert into the same pool
-  // concurrently, hence the lock (held for this one insert only).
-  __device__ void insert(int buf, int64_t v, int32_t id, float dist, bool is_new, int lane) const {
+  // Calls insert_all(insert) under v's lock in buffer `buf`, where insert(slot, dist) is
+  // Algorithm 6 into v's pool; the pool's count is read once and stored once. Other warps insert
+  // into the same pool concurrently, hence the lock.
+  template <typename InsertAll>
+  __device__ void locked_inserts(int buf, int64_t v, int lane, InsertAll&& insert_all) const {
     warp_lock(locks + v, lane);
-    int* count = count_of(buf, v);
-    const int before = __ldcg(count);
-    const int after = warp_insert_locked(slots_of(buf, v), dists_of(buf, v), before, capacity, kIdMask,
-                                         pack_slot(id, is_new), dist, lane);
-    if (lane == 0 && after != before) *count = after;
+    int* count_ptr = count_of(buf, v);
+    const int before = __ldcg(count_ptr);
+    int count = before;
+    insert_all([&](uint32_t slot, float dist) {
+      count = warp_insert_locked(slots_of(buf, v), dists_of(buf, v), count, capacity, kIdMask, slot, dist, lane);
+    });
+    if (lane == 0 && count != before) *count_ptr = count;
     warp_unlock(locks + v, lane);
+  }
+
+  // One insert, the lock held for it only.
+  __device__ void insert(int buf, int64_t v, int32_t id, float dist, bool is_new, int lane) const {
+    locked_inserts(buf, v, lane, [&](auto&& insert) { insert(pack_slot(id, is_new), dist); });
   }
 };
 
@@ -308,17 +317,12 @@ __global__ void __launch_bounds__(kBlockThreads, kUpdateWarpsPerSm / kWarpsPerBl
 
   // Survivors into v's own next pool as old entries: one lock for all of them (other warps'
   // inserts land before or after the batch, which is one of the CPU's possible interleavings).
-  warp_lock(pools.locks + v, lane);
-  int* next_count = pools.count_of(write, v);
-  const int before = __ldcg(next_count);
-  int count_now = before;
-  for (int k = 0; k < kept_count; ++k) {
-    const int i = s.kept[k];
-    count_now = warp_insert_locked(pools.slots_of(write, v), pools.dists_of(write, v), count_now, pools.capacity,
-                                   kIdMask, pack_slot(slot_id(s.slot[i]), false), s.dist[i], lane);
-  }
-  if (lane == 0 && count_now != before) *next_count = count_now;
-  warp_unlock(pools.locks + v, lane);
+  pools.locked_inserts(write, v, lane, [&](auto&& insert) {
+    for (int k = 0; k < kept_count; ++k) {
+      const int i = s.kept[k];
+      insert(pack_slot(slot_id(s.slot[i]), false), s.dist[i]);
+    }
+  });
 }
 
 // Component 4 (section 3.6): v offers itself as a new neighbour to its ceil(rho * |N_v|)
