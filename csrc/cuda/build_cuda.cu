@@ -49,12 +49,15 @@ constexpr int kBlockThreads = kWarpsPerBlock * kWarpSize;
 // registers a thread, which fits 32 warps, and ncu showed a latency-bound kernel (21 warps
 // active, an instruction every 2.1 cycles per scheduler). At 40 (48 registers, a few bytes
 // spilled) the 1M x 384 float16 build took 0.562 s against 0.634 s (H200, eight warps a block);
-// two warps a block then took it to 0.506 s, and 48 warps (42 registers) to 0.525 s.
+// two warps a block then took it to 0.506 s, and 48 warps (42 registers) to 0.525 s. Rechecked
+// after the inserts left the pair loop (update_kernel), in one run: 48 warps 0.405 s against
+// 0.417 s for float16 but 0.673 s against 0.619 s for float32 rows, 32 warps 0.481 s.
 constexpr int kUpdateWarpsPerSm = 40;
 // Chunks of a row each lane loads before using the first in the build's distances (team_visit).
 // More than one made the 1M x 384 float16 build slower (H200): 0.57 s with two or three, 0.61 s
 // with four as in the search, against 0.51 s: the pair loop then spills under the register bound
-// above. Two other ways to the same rows measured slower too, against 0.49 s:
+// above. So did two after update_kernel had moved its inserts out of that loop: 0.453 s against
+// 0.417 s. Three other ways to the same rows measured slower too, against 0.49 s:
 //   - staging the next batch's rows in shared memory with cp.async while the current batch is
 //     computed: 0.59 s (not profiled; the shared memory it takes comes out of L1);
 //   - tensor-core dot products (mma.m16n8k16, eight rows per warp, |a|^2 + |b|^2 - 2 <a, b>):
@@ -64,8 +67,9 @@ constexpr int kUpdateWarpsPerSm = 40;
 // ncu on this kernel: L2 at 61% and SM at 66% of peak, DRAM at 14%, L2 hit rate 84%; neither the
 // arithmetic nor the load latency alone bounds it.
 constexpr int kBuildChunksInFlight = 1;
-// Words of shared scratch per pool slot and warp: slot, dist, key, order, kept, cmp.
-constexpr int kScratchWords = 6;
+// Words of shared scratch per pool slot and warp: slot, dist, key, order, kept, cmp, move,
+// move_dist.
+constexpr int kScratchWords = 8;
 static_assert(kWarpsPerBlock * kScratchWords * kMaxPoolSize * 4 <= 48 * 1024, "scratch exceeds 48 KiB");
 
 // Section 3.5: two fixed [N, R] buffers of (slot, dist) plus counts; buffer `read` holds the
@@ -140,6 +144,8 @@ struct WarpScratch {
   int* order;      // visit order: pool indices
   int* kept;       // pool indices kept so far, in visit order
   int* cmp;        // positions in `kept` that the current entry must be compared with
+  uint32_t* move;  // redirects decided so far: target and moved entry's pool indices (pack_move)
+  float* move_dist;  // d(target, moved) of each redirect
 };
 
 __device__ __forceinline__ WarpScratch warp_scratch(int capacity) {
@@ -150,7 +156,14 @@ __device__ __forceinline__ WarpScratch warp_scratch(int capacity) {
           base + 2 * capacity,
           reinterpret_cast<int*>(base + 3 * capacity),
           reinterpret_cast<int*>(base + 4 * capacity),
-          reinterpret_cast<int*>(base + 5 * capacity)};
+          reinterpret_cast<int*>(base + 5 * capacity),
+          base + 6 * capacity,
+          reinterpret_cast<float*>(base + 7 * capacity)};
+}
+
+// A redirect as two pool indices (< kMaxPoolSize): the entry that moves and the one it moves to.
+__device__ __forceinline__ uint32_t pack_move(int target, int moved) {
+  return static_cast<uint32_t>(target) << 16 | static_cast<uint32_t>(moved);
 }
 
 size_t scratch_bytes(int capacity) {
@@ -267,7 +280,7 @@ __global__ void __launch_bounds__(kBlockThreads, kUpdateWarpsPerSm / kWarpsPerBl
   const int count = load_pool(pools, read, v, s, lane);
   visit_order(s, count, v, round, args, lane);
 
-  int kept_count = 0;
+  int kept_count = 0, moves = 0;
   for (int step = 0; step < count; ++step) {
     const int i = s.order[step];
     const int32_t a = slot_id(s.slot[i]);
@@ -297,14 +310,18 @@ __global__ void __launch_bounds__(kBlockThreads, kUpdateWarpsPerSm / kWarpsPerBl
         const int b_index = s.kept[j];
         const float d_vb = s.dist[b_index];
         if (d_ab < fmaxf(d_va, d_vb)) {
-          const int32_t b_id = slot_id(s.slot[b_index]);
-          if (d_va >= d_vb) {  // a is the farther one: it moves to b
-            pools.insert(write, b_id, a, d_ab, true, lane);
+          // The farther one moves to the closer one: a to b, or b to a (b then leaves `kept`).
+          const bool a_moves = d_va >= d_vb;
+          if (lane == 0) {
+            s.move[moves] = a_moves ? pack_move(b_index, i) : pack_move(i, b_index);
+            s.move_dist[moves] = d_ab;
+            if (!a_moves) s.kept[j] = -1;
+          }
+          ++moves;
+          if (a_moves) {
             keep = false;
             break;
           }
-          pools.insert(write, a, b_id, d_ab, true, lane);  // b is the farther one: it moves to a
-          if (lane == 0) s.kept[j] = -1;
           erased = true;
         }
       }
@@ -316,6 +333,18 @@ __global__ void __launch_bounds__(kBlockThreads, kUpdateWarpsPerSm / kWarpsPerBl
       ++kept_count;
     }
     __syncwarp();
+  }
+
+  // The redirects, as new entries, into the next pools of their targets. The CPU inserts each as
+  // it is decided; the walk above reads only buffer `read`, so deciding them all first changes
+  // nothing but when other warps see them (one of the interleavings concurrent inserts allow
+  // anyway). It keeps the lock and insert code out of the pair loop, whose spills under the
+  // register bound fell from 158 to 62 bytes of loads: in one run on the H200 (1M x 384 float16
+  // real embeddings) the default build took 0.417 s against 0.483 s with the inserts inside the
+  // loop, the descending one 0.563 s against 0.663 s.
+  for (int m = 0; m < moves; ++m) {
+    const uint32_t packed = s.move[m];
+    pools.insert(write, slot_id(s.slot[packed >> 16]), slot_id(s.slot[packed & 0xffffu]), s.move_dist[m], true, lane);
   }
 
   // Survivors into v's own next pool as old entries: one lock for all of them (other warps'
