@@ -312,6 +312,7 @@ __global__ void __launch_bounds__(kBlockThreads, kUpdateWarpsPerSm / kWarpsPerBl
         if (d_ab < fmaxf(d_va, d_vb)) {
           // The farther one moves to the closer one: a to b, or b to a (b then leaves `kept`).
           const bool a_moves = d_va >= d_vb;
+          if (!a_moves) __syncwarp();  // every lane has read s.kept[j] before lane 0 erases it
           if (lane == 0) {
             s.move[moves] = a_moves ? pack_move(b_index, i) : pack_move(i, b_index);
             s.move_dist[moves] = d_ab;
