@@ -50,9 +50,11 @@ def build(
         inner_iters: ``T2``, update rounds per outer iteration.
         reverse_ratio: ``rho``, share of each pool (closest first) that gets a reverse edge.
         update_order: ``"random"`` (GRNND's disordered propagation), ``"ascending"`` or
-            ``"descending"`` distance order, for the ablation, or ``"descending_then_random"``:
-            descending in every outer iteration but the last, random in the last (on real
-            embeddings about descending's graph quality at 0.9x its build time; README, Measured).
+            ``"descending"`` distance order, or ``"descending_then_random"``: descending in
+            every outer iteration but the last, random in the last. On real sentence
+            embeddings descending built the better graph (recall@10 0.962 against 0.941 at list
+            64) for 1.35x the random build's time, and descending_then_random most of that
+            (0.960) at 0.9x descending's time (README, Measured).
         metric: ``"l2"``, ``"ip"`` or ``"cosine"``.
         seed: seeds every random choice; with one CPU thread the graph is reproducible.
         progress: report each outer iteration: ``True`` for a tqdm bar (or log records), or a
