@@ -161,7 +161,8 @@ __device__ __forceinline__ WarpScratch warp_scratch(int capacity) {
           reinterpret_cast<float*>(base + 7 * capacity)};
 }
 
-// A redirect as two pool indices (< kMaxPoolSize): the entry that moves and the one it moves to.
+// A redirect as two pool indices (< kMaxPoolSize): the entry moved to (high half) and the entry
+// that moves (low half).
 __device__ __forceinline__ uint32_t pack_move(int target, int moved) {
   return static_cast<uint32_t>(target) << 16 | static_cast<uint32_t>(moved);
 }
