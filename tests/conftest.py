@@ -1,4 +1,6 @@
 """Shared data for the tests: clustered synthetic vectors and faiss-cpu exact neighbours."""
+import contextlib
+
 import faiss
 import numpy as np
 import pytest
@@ -10,6 +12,18 @@ def clustered(n: int, dim: int, clusters: int, seed: int = 0, spread: float = 3.
     g = torch.Generator().manual_seed(seed)
     centres = torch.randn(clusters, dim, generator=g) * spread
     return centres[torch.randint(clusters, (n,), generator=g)] + torch.randn(n, dim, generator=g) * noise
+
+
+@contextlib.contextmanager
+def one_thread():
+    """The CPU build on one thread, where its graph depends on the seed alone: with more, the
+    timing of concurrent inserts decides some edges (the build's `seed` documentation)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def exact_neighbours(data: torch.Tensor, queries: torch.Tensor, k: int, metric: str = "l2"):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import torch_grnnd as grnnd
-from conftest import clustered, exact_neighbours
+from conftest import clustered, exact_neighbours, one_thread
 
 
 def check_graph_invariants(graph: torch.Tensor, data: torch.Tensor, degree: int, metric: str = "l2"):
@@ -194,14 +194,10 @@ def test_reverse_edges_improve_the_graph(blobs, blobs_truth):
 
 def test_same_seed_one_thread_is_reproducible():
     data = clustered(3000, 16, 20, seed=9)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         a = grnnd.build(data, seed=7)
         b = grnnd.build(data, seed=7)
         c = grnnd.build(data, seed=8)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
 
@@ -210,16 +206,12 @@ def test_descending_then_random_orders_each_outer_iteration():
     # Descending in every outer iteration but the last, random in the last: with one outer
     # iteration it is the random build, with two it is neither of the plain orders.
     data = clustered(3000, 16, 20, seed=9)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         build = lambda order, outer: grnnd.build(data, update_order=order, outer_iters=outer, inner_iters=3)  # noqa: E731
         assert torch.equal(build("descending_then_random", 1), build("random", 1))
         mixed = build("descending_then_random", 2)
         assert not torch.equal(mixed, build("random", 2))
         assert not torch.equal(mixed, build("descending", 2))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_tiny_inputs():
