@@ -3,9 +3,84 @@
 #include "params.h"
 
 #include <cstdint>
+#include <deque>
 #include <limits>
+#include <mutex>
+
+#include <c10/util/intrusive_ptr.h>
+
+#ifdef GRNND_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace grnnd {
+
+bool contents_readable(const at::Tensor& t) {
+#ifdef GRNND_WITH_CUDA
+  if (t.is_cuda()) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(t.device().index()).stream(), &status));
+    return status == cudaStreamCaptureStatusNone;
+  }
+#endif
+  return !t.is_meta();
+}
+
+namespace {
+
+// Graphs whose ids were found in range, so that a graph searched many times is scanned once (the
+// scan reads N * degree ids and, on CUDA, waits for the result). An entry holds its graph weakly:
+// the TensorImpl's address cannot be reused while the entry lives, and a graph that was freed
+// never matches. Any in-place write through torch bumps the version and forces a new scan.
+struct CheckedGraph {
+  c10::weak_intrusive_ptr<c10::TensorImpl> impl;
+  const void* ids;
+  int64_t version;
+  int64_t n;
+};
+
+class CheckedGraphs {
+ public:
+  bool contains(const at::Tensor& graph, int64_t n) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const CheckedGraph& e : entries_) {
+      if (!e.impl.expired() && e.impl._unsafe_get_target() == graph.unsafeGetTensorImpl() &&
+          e.ids == graph.const_data_ptr() && e.version == graph._version() && e.n == n) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  void add(const at::Tensor& graph, int64_t n) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (entries_.size() == kCapacity) entries_.pop_front();
+    entries_.push_back({c10::weak_intrusive_ptr<c10::TensorImpl>(graph.getIntrusivePtr()), graph.const_data_ptr(),
+                        graph._version(), n});
+  }
+
+ private:
+  static constexpr size_t kCapacity = 16;  // graphs searched in turn (several indexes, shards)
+  std::mutex mutex_;
+  std::deque<CheckedGraph> entries_;
+};
+
+CheckedGraphs& checked_graphs() {
+  static CheckedGraphs graphs;
+  return graphs;
+}
+
+void check_graph_ids(const at::Tensor& graph, int64_t n) {
+  if (graph.numel() == 0 || !contents_readable(graph) || checked_graphs().contains(graph, n)) return;
+  const auto [lo, hi] = at::aminmax(graph);
+  const int64_t min_id = lo.item<int64_t>(), max_id = hi.item<int64_t>();
+  TORCH_CHECK_VALUE(min_id >= -1 && max_id < n, "graph: ids must lie in [0, ", n, ") with -1 as padding, found ",
+                    min_id < -1 ? min_id : max_id, "; was it built on other data?");
+  checked_graphs().add(graph, n);
+}
+
+}  // namespace
 
 void check_points(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.dim() == 2, name, ": expected a 2-D tensor [n, dim], got ", t.dim(), "-D with shape ",
@@ -20,6 +95,7 @@ void check_points(const at::Tensor& t, const char* name) {
 }
 
 void check_finite(const at::Tensor& t, const char* name) {
+  if (!contents_readable(t)) return;
   // A NaN or Inf makes its row's float32 sum non-finite, so only the rows whose sum is not
   // finite need an element-wise look (a finite row can still overflow float32 in the sum).
   // This costs one float per row instead of a bool per element.
@@ -47,7 +123,7 @@ void check_k(int64_t k, int64_t n, const char* what) {
   TORCH_CHECK_VALUE(k >= 1 && k <= n, "k: expected 1 <= k <= ", n, " (", what, "), got ", k);
 }
 
-void check_graph(const at::Tensor& graph, const at::Tensor& data, bool check_ids) {
+void check_graph(const at::Tensor& graph, const at::Tensor& data) {
   TORCH_CHECK_VALUE(graph.dim() == 2, "graph: expected a 2-D tensor [n, degree], got shape ", graph.sizes());
   TORCH_CHECK_TYPE(graph.scalar_type() == at::kInt, "graph: expected int32 (as build returns), got ",
                    graph.scalar_type());
@@ -55,13 +131,7 @@ void check_graph(const at::Tensor& graph, const at::Tensor& data, bool check_ids
                     "; was it built on other data?");
   TORCH_CHECK_VALUE(graph.size(1) >= 1, "graph: expected at least one column, got shape ", graph.sizes());
   check_same_device(data, "data", graph, "graph");
-  if (check_ids && graph.numel() > 0) {
-    const auto [lo, hi] = at::aminmax(graph);
-    const int64_t min_id = lo.item<int64_t>(), max_id = hi.item<int64_t>();
-    TORCH_CHECK_VALUE(min_id >= -1 && max_id < data.size(0), "graph: ids must lie in [0, ", data.size(0),
-                      ") with -1 as padding, found ", min_id < -1 ? min_id : max_id,
-                      "; was it built on other data?");
-  }
+  check_graph_ids(graph, data.size(0));
 }
 
 void check_filter(const c10::optional<at::Tensor>& filter, const at::Tensor& data) {
@@ -79,15 +149,15 @@ void check_build_inputs(const at::Tensor& data) {
 }
 
 void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries, int64_t k,
-                         const c10::optional<at::Tensor>& filter, bool read_contents) {
+                         const c10::optional<at::Tensor>& filter) {
   check_points(data, "data");
   check_points(queries, "queries");
   check_same_device(data, "data", queries, "queries");
   check_same_dim(data, queries);
-  check_graph(graph, data, /*check_ids=*/read_contents);
-  check_filter(filter, data);
   check_k(k, data.size(0), "number of data rows");
-  if (read_contents) check_finite(queries, "queries");
+  check_filter(filter, data);
+  check_graph(graph, data);
+  check_finite(queries, "queries");
 }
 
 void check_knn_inputs(const at::Tensor& data, const at::Tensor& queries, int64_t k) {

@@ -11,7 +11,8 @@ namespace grnnd {
 void check_points(const at::Tensor& t, const char* name);
 
 // NaN/Inf rows make every distance comparison meaningless; name the first offending row.
-// Reads the whole tensor (and synchronises on CUDA), so callers use it outside hot paths.
+// Reads the whole tensor (one reduction, and on CUDA one host synchronisation); skipped where
+// contents are not readable.
 void check_finite(const at::Tensor& t, const char* name);
 
 void check_same_device(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name);
@@ -20,18 +21,23 @@ void check_same_dim(const at::Tensor& data, const at::Tensor& queries);
 
 void check_k(int64_t k, int64_t n, const char* what);
 
-// A graph as `build` returns it: int32 [n, degree], ids in [0, n), -1 as padding.
-// `check_ids` scans the ids (a host synchronisation on CUDA).
-void check_graph(const at::Tensor& graph, const at::Tensor& data, bool check_ids);
+// Whether the checks that read a tensor's values (finite rows, graph ids) may run: always on the
+// CPU; on CUDA unless the current stream is being captured into a CUDA graph, where the host
+// cannot wait for a result. Captured searches rely on the kernels' own bounds (they skip ids
+// outside [0, n) and order NaN distances last).
+bool contents_readable(const at::Tensor& t);
+
+// A graph as `build` returns it: int32 [n, degree], ids in [0, n), -1 as padding. The ids are
+// scanned once per graph and version (graph_ids_checked in checks.cpp) when contents are readable.
+void check_graph(const at::Tensor& graph, const at::Tensor& data);
 
 // A boolean mask over data ids: true = may be returned.
 void check_filter(const c10::optional<at::Tensor>& filter, const at::Tensor& data);
 
-// What each op accepts, in one place for all its kernels. `read_contents` adds the checks
-// that scan the tensors (finite queries, graph ids in range), which the CUDA search skips.
+// What each op accepts, in one place for all its kernels and devices.
 void check_build_inputs(const at::Tensor& data);
 void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries, int64_t k,
-                         const c10::optional<at::Tensor>& filter, bool read_contents);
+                         const c10::optional<at::Tensor>& filter);
 void check_knn_inputs(const at::Tensor& data, const at::Tensor& queries, int64_t k);
 
 }  // namespace grnnd

@@ -14,7 +14,13 @@ extern "C" PyObject* PyInit__C(void) {
        "Install (or with None remove) the calling thread's build progress callback(done, total)."},
       {nullptr, nullptr, 0, nullptr}};
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+  // The torch release (major * 100 + minor) this build was compiled against (setup.py).
+  if (module != nullptr && PyModule_AddIntConstant(module, "torch_release", GRNND_TORCH_RELEASE) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }
 
 TORCH_LIBRARY(grnnd, m) {

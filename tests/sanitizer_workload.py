@@ -26,8 +26,29 @@ def main():
     for dtype, metric, k in [(torch.float32, "l2", 10), (torch.float16, "cosine", 300), (torch.bfloat16, "ip", 1)]:
         data = torch.randn(3000, 24, generator=g, device="cuda").to(dtype)
         grnnd.knn(data, data[:40], k, metric=metric)
+    edge_sizes(g)
     torch.cuda.synchronize()
     print("sanitizer workload done")
+
+
+def edge_sizes(g: torch.Generator):
+    """The sizes where indexing goes wrong first: one row, fewer rows than the degree, k = N,
+    one column, rows of 4096 columns; every storage type, each search path, knn and knn_graph."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for n, dim in [(1, 8), (5, 8), (40, 1), (300, 4096)]:
+            data = torch.randn(n, dim, generator=g, device="cuda").to(dtype)
+            graph = grnnd.build(data, degree=16, pool_size=32, initial_degree=8, outer_iters=2, inner_iters=2)
+            queries = torch.randn(3, dim, generator=g, device="cuda").to(dtype)
+            k = min(n, 10)
+            grnnd.search(data, graph, queries, n if n <= 64 else k, list_size=64, searches=1)  # k = N where small
+            grnnd.search(data, graph, queries, k, list_size=64, searches=4)  # split, then merged
+            grnnd.search(data, graph, queries, k, list_size=128, search_width=2, searches=1)  # block loop
+            allowed = torch.rand(n, generator=g, device="cuda") < 0.5
+            grnnd.search(data, graph, queries, k, list_size=64, filter=allowed)
+            grnnd.knn(data, queries, n if n <= 1024 else k)
+            if n > 1:
+                grnnd.knn_graph(data, min(n - 1, 5))
+                grnnd.knn_graph(data, min(n - 1, 5), exact=True)
 
 
 if __name__ == "__main__":

@@ -229,3 +229,21 @@ def test_too_large_build_says_how_much_memory():
     data = torch.zeros(1, 1, dtype=torch.float16, device="cuda").expand(200_000_000, 1)
     with pytest.raises(torch.OutOfMemoryError, match=r"build: needs [0-9.]+ [GM]iB of GPU memory.*pool_size = 256"):
         grnnd.build(data, degree=16, pool_size=256)
+
+
+def test_out_of_memory_says_how_much_and_the_process_goes_on():
+    # A build whose pools (2 x N x pool_size x 8 bytes = 800 MiB here) exceed what a per-process
+    # memory fraction leaves raises torch.OutOfMemoryError naming both amounts; afterwards the
+    # same process builds a smaller graph as usual.
+    data = torch.randn(200_000, 16, device="cuda")
+    torch.cuda.synchronize()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 256 * 2**20) / total)
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match=r"(?s)build: needs [0-9.]+ MiB of GPU memory.*free"):
+            grnnd.build(data, degree=16, pool_size=256)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    graph = grnnd.build(data[:5000], degree=8, pool_size=16)
+    assert graph.shape == (5000, 8) and int(graph.max()) < 5000
+

@@ -11,6 +11,21 @@ they return are differentiable (``autograd``), and ``torch_grnnd.nn`` has the la
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.grnnd.*)
+
+
+def _check_torch_release() -> None:
+    # An extension compiled against one torch release and loaded under another may declare
+    # torch's types differently (C++17 against C++20 headers, see setup.py) and crash on the
+    # first error message instead of raising it.
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    built = _C.torch_release
+    if built != major * 100 + minor:
+        raise ImportError(
+            f"torch_grnnd was compiled against torch {built // 100}.{built % 100} but torch {torch.__version__} "
+            "is installed; reinstall it (pip install --no-build-isolation -e .) under this torch")
+
+
+_check_torch_release()
 from . import autograd  # noqa: F401  (registers the backward of search, knn and knn_graph)
 from . import nn
 from .eval import recall

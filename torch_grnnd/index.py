@@ -67,16 +67,41 @@ class Index:
 
     @classmethod
     def from_state_dict(cls, state: Dict[str, Any]) -> "Index":
-        """Inverse of :meth:`state_dict` (e.g. after ``torch.load(path, weights_only=True)``)."""
+        """Inverse of :meth:`state_dict` (e.g. after ``torch.load(path, weights_only=True)``).
+
+        Raises on missing keys and on anything :func:`check_state` rejects."""
         missing = {"data", "graph", "metric"} - set(state)
         if missing:
             raise ValueError(f"state: missing keys {sorted(missing)}")
-        data, graph = state["data"], state["graph"]
-        if graph.dim() != 2 or graph.shape[0] != data.shape[0]:
-            raise ValueError(f"state: graph of shape {tuple(graph.shape)} does not fit data of shape "
-                             f"{tuple(data.shape)}")
-        return cls(data, graph, state["metric"], state.get("build_params"))
+        data, graph, metric = state["data"], state["graph"], state["metric"]
+        check_state(data, graph, metric)
+        return cls(data, graph, metric, state.get("build_params"))
 
     def __repr__(self) -> str:
         return (f"Index(n={len(self)}, dim={self.dim}, degree={self.graph.shape[1]}, metric={self.metric!r}, "
                 f"dtype={self.data.dtype}, device={self.device})")
+
+
+def check_state(data: Any, graph: Any, metric: Any) -> None:
+    """Reject a restored index that a damaged or foreign file could hold: tensors of the wrong
+    kind or shape, graph ids outside the data (one scan of the graph), an unknown metric."""
+    for key, value in (("data", data), ("graph", graph)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"state: {key} must be a tensor, got {type(value).__name__}")
+    if not data.is_floating_point() or data.dim() != 2:
+        raise TypeError(f"state: data must be a 2-D floating-point tensor, got {data.dtype} of shape "
+                        f"{tuple(data.shape)}")
+    if graph.dtype != torch.int32:
+        raise TypeError(f"state: graph must be int32 (as build returns), got {graph.dtype}")
+    if graph.dim() != 2 or graph.shape[0] != data.shape[0]:
+        raise ValueError(f"state: graph of shape {tuple(graph.shape)} does not fit data of shape "
+                         f"{tuple(data.shape)}")
+    if graph.device != data.device:
+        raise ValueError(f"state: data is on {data.device} but graph is on {graph.device}")
+    if graph.numel() > 0:
+        lo, hi = (int(v) for v in torch.aminmax(graph))
+        if lo < -1 or hi >= data.shape[0]:
+            raise ValueError(f"state: graph ids must lie in [0, {data.shape[0]}) with -1 as padding, found "
+                             f"{lo if lo < -1 else hi}")
+    if metric not in ("l2", "ip", "cosine"):
+        raise ValueError(f'state: metric must be "l2", "ip" or "cosine", got {metric!r}')

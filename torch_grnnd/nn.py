@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .graph import knn_graph
-from .index import Index
+from .index import Index, check_state
 from .ops import Metric
 from .progress import Progress
 
@@ -119,6 +119,8 @@ class Retriever(nn.Module):
             if incoming is not None:
                 setattr(self, name, getattr(self, name).new_empty(incoming.shape))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.data.shape[0] > 0:
+            check_state(self.data, self.graph, self.metric)
 
     def extra_repr(self) -> str:
         return (f"n={self.data.shape[0]}, dim={self.data.shape[1]}, k={self.k}, metric={self.metric!r}, "

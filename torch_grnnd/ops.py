@@ -209,11 +209,12 @@ def knn(data: Tensor, queries: Tensor, k: int, *, metric: Metric = "l2") -> Tupl
     return torch.ops.grnnd.knn.default(data, queries, k, metric=metric)
 
 
-def _query_outputs(data: Tensor, queries: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+def _query_outputs(data: Tensor, queries: Tensor, k: int, graph: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     # The one check a fake kernel can make that the real kernel would otherwise make after
-    # dispatch already went to a single device.
-    if data.device != queries.device:
-        raise ValueError(f"data is on {data.device} but queries is on {queries.device}; move them to the same device")
+    # dispatch already went to a single device (a meta tensor among CPU ones lands here).
+    for name, other in (("queries", queries), ("graph", graph)):
+        if other is not None and other.device != data.device:
+            raise ValueError(f"data is on {data.device} but {name} is on {other.device}; move them to the same device")
     q = queries.shape[0]
     return queries.new_empty((q, k), dtype=torch.float32), queries.new_empty((q, k), dtype=torch.int64)
 
@@ -233,12 +234,12 @@ def _build_fake(data, *, degree=_DEFAULT_DEGREE, **_):
 
 @torch.library.register_fake("grnnd::search")
 def _search_fake(data, graph, queries, k, *_, **__):
-    return _query_outputs(data, queries, k)
+    return _query_outputs(data, queries, k, graph)
 
 
 @torch.library.register_fake("grnnd::search_distance_counts")
 def _search_distance_counts_fake(data, graph, queries, k, *_, **__):
-    _query_outputs(data, queries, k)
+    _query_outputs(data, queries, k, graph)
     return queries.new_empty((queries.shape[0],), dtype=torch.int32)
 
 

@@ -119,6 +119,9 @@ class Searcher {
       for (const int32_t parent : parents_) {
         const int32_t* row = adjacency + static_cast<int64_t>(parent) * degree;
         for (int64_t j = 0; j < degree && row[j] >= 0; ++j) {
+          // An id past the data is skipped, as the CUDA kernel does: the id scan of check_graph
+          // does not see a write that bypassed torch (through .numpy(), say).
+          if (row[j] >= n) continue;
           if (!visited_.test_and_set(row[j])) {
             vectors.prefetch(row[j]);
             fresh_.push_back(row[j]);
@@ -188,7 +191,7 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const at::Tensor& data, const at::
                                               int64_t search_width, int64_t max_iters, c10::string_view metric,
                                               int64_t seed, const c10::optional<at::Tensor>& filter,
                                               int64_t searches) {
-  check_search_inputs(data, graph, queries, k, filter, /*read_contents=*/true);
+  check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
   at::Tensor out_dists =
@@ -202,7 +205,7 @@ at::Tensor search_distance_counts_cpu(const at::Tensor& data, const at::Tensor& 
                                       int64_t k, int64_t list_size, int64_t search_width, int64_t max_iters,
                                       c10::string_view metric, int64_t seed,
                                       const c10::optional<at::Tensor>& filter, int64_t searches) {
-  check_search_inputs(data, graph, queries, k, filter, /*read_contents=*/true);
+  check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
   at::Tensor counts = at::zeros({queries.size(0)}, queries.options().dtype(at::kInt));

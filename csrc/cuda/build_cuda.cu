@@ -525,10 +525,13 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
     counts = at::empty({2, n}, on_device.dtype(at::kInt));
     locks = at::zeros({n}, on_device.dtype(at::kInt));
     graph = at::empty({n, p.degree}, on_device.dtype(at::kInt));
-  } catch (const c10::OutOfMemoryError&) {
+  } catch (const c10::OutOfMemoryError& e) {
+    // The driver had room but the allocator refused (a per-process memory fraction, say): its
+    // own message says how much it could still give.
     TORCH_CHECK_WITH(OutOfMemoryError, false, "build: needs ", human_bytes(needed), " of GPU memory on ", data.device(),
                      " for its pools and graph (N = ", n, ", pool_size = ", capacity,
-                     "), which the allocator could not provide; lower pool_size or build on fewer rows at a time");
+                     "), which the allocator could not provide; lower pool_size or build on fewer rows at a time. ",
+                     "The allocator: ", e.what_without_backtrace());
   }
 
   const DevicePools pools{reinterpret_cast<uint32_t*>(slots.data_ptr<int>()),

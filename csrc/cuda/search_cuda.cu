@@ -653,15 +653,15 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   return {out_dists, out_ids};
 }
 
-// Without the checks that read tensor contents (finite queries, graph ids in range): on CUDA
-// they would synchronise the host and break CUDA-graph capture; the kernel instead skips
-// out-of-range graph ids and orders NaN distances last.
+// The checks that read tensor contents (finite queries, graph ids in range) synchronise the host
+// once per call and are skipped under CUDA-graph capture (contents_readable); the kernel skips
+// out-of-range graph ids and orders NaN distances last either way, so no input reads out of bounds.
 std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at::Tensor& graph,
                                                const at::Tensor& queries, int64_t k, int64_t list_size,
                                                int64_t search_width, int64_t max_iters, c10::string_view metric,
                                                int64_t seed, const c10::optional<at::Tensor>& filter,
                                                int64_t searches) {
-  check_search_inputs(data, graph, queries, k, filter, /*read_contents=*/false);
+  check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
   return run_search(data, graph, queries, filter, p, at::Tensor());
@@ -671,7 +671,7 @@ at::Tensor search_distance_counts_cuda(const at::Tensor& data, const at::Tensor&
                                        int64_t k, int64_t list_size, int64_t search_width, int64_t max_iters,
                                        c10::string_view metric, int64_t seed,
                                        const c10::optional<at::Tensor>& filter, int64_t searches) {
-  check_search_inputs(data, graph, queries, k, filter, /*read_contents=*/false);
+  check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
   at::Tensor counts = at::zeros({queries.size(0)}, queries.options().dtype(at::kInt));

@@ -1,0 +1,110 @@
+"""What the content checks of the CUDA search cost, next to the search itself (same run, one GPU).
+
+    python benchmarks/bench_checks.py --n 1000000 --dim 384 --out DIR
+
+The search checks its inputs' values (csrc/checks.cpp): on every call, that the queries are finite
+(a float32 row sum, isfinite, any, and one host synchronisation); once per graph and version, that
+every graph id lies in [-1, N) (aminmax over the graph, then a synchronisation). Both are timed here
+as those same torch operations run alone, and the search as the op runs it, checks included:
+  - search: back-to-back calls on an already checked graph, CUDA events, after a warm-up;
+  - first search of a graph: the same call on a fresh copy of the graph, which is scanned again;
+  - the query check alone and the graph scan alone.
+Writes checks_<n>k-d<dim>.json and .md under --out.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch_grnnd as grnnd  # noqa: E402
+from benchmarks.report import machine  # noqa: E402
+
+
+def wall_ms(fn, repeat: int) -> float:
+    """Milliseconds per call, host wall clock around `repeat` calls that each end synchronised."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1000 / repeat
+
+
+def query_check(queries: torch.Tensor) -> bool:
+    # check_finite's clean path, operation for operation.
+    return bool(torch.isfinite(queries.sum(1, dtype=torch.float32)).logical_not().any().item())
+
+
+def graph_scan(graph: torch.Tensor) -> tuple:
+    lo, hi = torch.aminmax(graph)
+    return int(lo.item()), int(hi.item())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=1_000_000)
+    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--batches", default="1,100,10000")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    clusters = max(args.n // 1000, 1)
+    centres = torch.randn(clusters, args.dim, generator=g, device="cuda") * 3
+    rows = centres[torch.randint(clusters, (args.n + 10_000,), generator=g, device="cuda")]
+    x = (rows + torch.randn(rows.shape, generator=g, device="cuda")).half()
+    data, all_queries = x[: args.n].contiguous(), x[args.n:].contiguous()
+    graph = grnnd.build(data)
+    torch.cuda.synchronize()
+
+    rows_out = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        queries = all_queries[:batch]
+        repeat = 200 if batch <= 100 else 20
+        search = wall_ms(lambda: grnnd.search(data, graph, queries, 10, list_size=64), repeat)
+        check = wall_ms(lambda: query_check(queries), repeat)
+        rows_out.append({"batch": batch, "search_ms": search, "query_check_ms": check,
+                         "query_check_share": check / search})
+        print(f"batch {batch}: search {search:.4f} ms per call, query check alone {check:.4f} ms "
+              f"({100 * check / search:.2f}% of the search)", flush=True)
+
+    queries = all_queries
+    scan = wall_ms(lambda: graph_scan(graph), 20)
+    copies = [graph.clone() for _ in range(5)]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for copy in copies:
+        grnnd.search(data, copy, queries, 10, list_size=64)
+    torch.cuda.synchronize()
+    first = (time.perf_counter() - start) * 1000 / len(copies)
+    steady = next(r["search_ms"] for r in rows_out if r["batch"] == 10_000) if any(
+        r["batch"] == 10_000 for r in rows_out) else wall_ms(lambda: grnnd.search(data, graph, queries, 10), 20)
+    print(f"graph scan alone {scan:.4f} ms; first search of a graph {first:.4f} ms against {steady:.4f} ms "
+          f"for a checked graph (batch {queries.shape[0]})", flush=True)
+
+    result = {"machine": machine(threads=1, cuda=True), "n": args.n, "dim": args.dim, "dtype": "float16",
+              "degree": graph.shape[1], "batches": rows_out, "graph_scan_ms": scan,
+              "first_search_ms": first, "checked_search_ms": steady}
+    os.makedirs(args.out, exist_ok=True)
+    name = f"checks_{args.n // 1000}k-d{args.dim}"
+    with open(os.path.join(args.out, name + ".json"), "w") as f:
+        json.dump(result, f, indent=1)
+    gpu = result["machine"].get("gpu", "GPU")
+    lines = [f"# Cost of the search's input checks, {args.n} x {args.dim} float16, degree {graph.shape[1]}", "",
+             f"GPU {gpu}, torch {torch.__version__}; list 64, k 10; host wall clock per call, synchronised.", "",
+             "| batch | search ms (checks included) | query check alone ms | share |", "|---:|---:|---:|---:|"]
+    lines += [f"| {r['batch']} | {r['search_ms']:.4f} | {r['query_check_ms']:.4f} | "
+              f"{100 * r['query_check_share']:.2f}% |" for r in rows_out]
+    lines += ["", f"Graph id scan alone: {scan:.4f} ms, once per graph and version. First search of a fresh "
+              f"graph at batch {queries.shape[0]}: {first:.4f} ms; of a checked one: {steady:.4f} ms.", ""]
+    with open(os.path.join(args.out, name + ".md"), "w") as f:
+        f.write("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
