@@ -1,5 +1,8 @@
 """Build torch_grnnd._C: CUDA kernels when nvcc and a CUDA build of torch are present, else CPU only.
 
+The C++ compiler must link the shared libstdc++ (choose_compilers checks, and falls back to the
+system g++ when CXX names one that does not).
+
 Install after torch, without build isolation (an isolated build would pull a second torch):
     pip install --no-build-isolation -e .
 Environment: GRNND_FORCE_CPU=1 skips the CUDA kernels.
@@ -7,6 +10,12 @@ Environment: GRNND_FORCE_CPU=1 skips the CUDA kernels.
 import glob
 import os
 import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
 
 import torch
 from setuptools import setup
@@ -17,25 +26,61 @@ with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and not os.
 
 
 def torch_cxx_standard() -> str:
-    """The C++ standard torch itself was compiled with, as a -std value ("c++17", "c++20").
-
-    The extension must use the same one. Torch's headers declare some types and inline functions
-    differently under C++17 and C++20, and a pip wheel of torch exports the libstdc++ string-stream
-    members it was linked with: an extension compiled for another standard than its torch
-    (C++20 against the C++17 build of torch 2.11, say) mixes the two definitions and crashes in
-    the first error message that formats a number (c10::str). torch >= 2.13 is built as C++20,
-    earlier wheels as C++17; torch reports which in its build configuration.
-    """
+    """The C++ standard torch itself was compiled with, as a -std value ("c++17", "c++20"):
+    torch >= 2.13 is built as C++20, earlier wheels as C++17, and torch's build configuration
+    says which. Compiling the extension for the same standard keeps its view of torch's inline
+    code and types the one torch has (torch's own cpp_extension default does the same)."""
     match = re.search(r"C\+\+ Version: (\d{4})", torch.__config__.show())
     if match is None:
         raise RuntimeError("torch.__config__.show() names no C++ version; cannot tell which -std to compile with")
-    year = match.group(1)
     standards = {"2017": "c++17", "2020": "c++20", "2023": "c++23"}
-    if year not in standards:
-        raise RuntimeError(f"torch was built as C++ {year}, which this setup.py does not know")
-    return standards[year]
+    if match.group(1) not in standards:
+        raise RuntimeError(f"torch was built as C++ {match.group(1)}, which this setup.py does not know")
+    return standards[match.group(1)]
 
 
+def links_shared_libstdcxx(cxx: str) -> bool:
+    """Whether `cxx` links a shared library against the shared libstdc++ (libstdc++.so.6 in its
+    DT_NEEDED), judged from a two-line library it links in a temporary folder."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source, library = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
+        with open(source, "w") as f:
+            f.write("#include <sstream>\nint probe(int x) { std::ostringstream s; s << x; return s.str().size(); }\n")
+        try:
+            subprocess.run([*shlex.split(cxx), "-shared", "-fPIC", source, "-o", library], check=True,
+                           capture_output=True)
+            needed = subprocess.run(["readelf", "-d", library], check=True, capture_output=True, text=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return True  # no verdict without a working compiler and readelf: let the build itself speak
+    return "libstdc++.so" in needed
+
+
+def choose_compilers() -> None:
+    """Refuse a C++ compiler that links libstdc++ statically, falling back to the system's g++.
+
+    The extension exchanges C++ objects (strings, streams, exceptions) with torch, which uses the
+    process's shared libstdc++. Linked with a compiler that puts a static libstdc++ inside the
+    extension (a GCC built into /opt with CXX pointing at it, say), the extension carries a second
+    copy of the C++ runtime whose locale registry the first never initialised: every error message
+    that formats a number (c10::str, TORCH_CHECK) then crashes the process. Seen on Ubuntu 24.04
+    with torch 2.11 from pip and CXX=/opt/gcc/bin/g++.
+    """
+    cxx = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++"
+    if links_shared_libstdcxx(cxx):
+        return
+    for cc, fallback in (("gcc", "g++"), ("cc", "c++")):
+        path = shutil.which(fallback)
+        if path and links_shared_libstdcxx(path) and shutil.which(cc):
+            print(f"setup.py: {cxx} links libstdc++ statically, which crashes torch extensions; "
+                  f"building with {path} instead", file=sys.stderr)
+            os.environ["CXX"], os.environ["CC"] = path, shutil.which(cc)
+            return
+    raise RuntimeError(f"{cxx} links libstdc++ statically into shared libraries, and no g++ or c++ on PATH links "
+                       "it dynamically. A torch extension must share torch's libstdc++; set CXX and CC to a "
+                       "compiler that links the shared libstdc++ (the system g++ does).")
+
+
+choose_compilers()
 cxx_std = "-std=" + torch_cxx_standard()
 sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
 # No -march flags: the graph loops wait on memory, not arithmetic (prefetching helped, AVX2/
