@@ -104,9 +104,12 @@ void check_finite(const at::Tensor& t, const char* name) {
   const at::Tensor rows = suspects.nonzero().select(1, 0);
   const at::Tensor bad = at::logical_not(at::isfinite(t.index_select(0, rows))).any(1);
   if (bad.any().item<bool>()) {
-    const int64_t row = rows.masked_select(bad)[0].item<int64_t>();
-    TORCH_CHECK_VALUE(false, name, ": expected finite values, row ", row, " holds NaN or Inf");
+    fail_non_finite(name, rows.masked_select(bad)[0].item<int64_t>());
   }
+}
+
+void fail_non_finite(const char* name, int64_t row) {
+  TORCH_CHECK_VALUE(false, name, ": expected finite values, row ", row, " holds NaN or Inf");
 }
 
 void check_same_device(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
@@ -131,7 +134,6 @@ void check_graph(const at::Tensor& graph, const at::Tensor& data) {
                     "; was it built on other data?");
   TORCH_CHECK_VALUE(graph.size(1) >= 1, "graph: expected at least one column, got shape ", graph.sizes());
   check_same_device(data, "data", graph, "graph");
-  check_graph_ids(graph, data.size(0));
 }
 
 void check_filter(const c10::optional<at::Tensor>& filter, const at::Tensor& data) {
@@ -157,7 +159,14 @@ void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const 
   check_k(k, data.size(0), "number of data rows");
   check_filter(filter, data);
   check_graph(graph, data);
-  check_finite(queries, "queries");
+}
+
+void check_search_contents(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries) {
+  check_graph_ids(graph, data.size(0));
+  // The CUDA search finds non-finite query rows in a kernel of its own and reads the answer once,
+  // after the search is queued (search_cuda.cu, QueryCheck): one host synchronisation per call
+  // and no reduction chain in front of the search.
+  if (!queries.is_cuda()) check_finite(queries, "queries");
 }
 
 void check_knn_inputs(const at::Tensor& data, const at::Tensor& queries, int64_t k) {

@@ -15,6 +15,9 @@ void check_points(const at::Tensor& t, const char* name);
 // contents are not readable.
 void check_finite(const at::Tensor& t, const char* name);
 
+// The error both check_finite and the CUDA search (which finds the row in its own kernel) raise.
+[[noreturn]] void fail_non_finite(const char* name, int64_t row);
+
 void check_same_device(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name);
 
 void check_same_dim(const at::Tensor& data, const at::Tensor& queries);
@@ -27,8 +30,7 @@ void check_k(int64_t k, int64_t n, const char* what);
 // outside [0, n) and order NaN distances last).
 bool contents_readable(const at::Tensor& t);
 
-// A graph as `build` returns it: int32 [n, degree], ids in [0, n), -1 as padding. The ids are
-// scanned once per graph and version (graph_ids_checked in checks.cpp) when contents are readable.
+// A graph as `build` returns it: int32 [n, degree], -1 as padding; its shape, type and device.
 void check_graph(const at::Tensor& graph, const at::Tensor& data);
 
 // A boolean mask over data ids: true = may be returned.
@@ -38,6 +40,10 @@ void check_filter(const c10::optional<at::Tensor>& filter, const at::Tensor& dat
 void check_build_inputs(const at::Tensor& data);
 void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries, int64_t k,
                          const c10::optional<at::Tensor>& filter);
+// The search's checks that read tensor values, after every argument check: graph ids in [-1, n)
+// (scanned once per graph and version, CheckedGraphs in checks.cpp) and, on the CPU, finite
+// queries. Skipped where contents are not readable.
+void check_search_contents(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries);
 void check_knn_inputs(const at::Tensor& data, const at::Tensor& queries, int64_t k);
 
 }  // namespace grnnd

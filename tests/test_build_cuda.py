@@ -237,6 +237,7 @@ def test_out_of_memory_says_how_much_and_the_process_goes_on():
     # same process builds a smaller graph as usual.
     data = torch.randn(200_000, 16, device="cuda")
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # cached blocks of earlier tests would serve the build without a new allocation
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 256 * 2**20) / total)
     try:

@@ -316,7 +316,19 @@ def test_out_of_range_graph_ids(points, graph_for):
     junk[torch.rand(graph.shape, generator=g) < 0.5] *= -1
     graph[corrupt] = junk[corrupt]
     graph[0, 0], graph[1, 0] = torch.iinfo(torch.int32).max, torch.iinfo(torch.int32).min
-    dists, ids = grnnd.search(data.cuda(), graph.cuda(), queries.cuda(), K, list_size=64)
+    data, graph, queries = data.cuda(), graph.cuda(), queries.cuda()
+    with pytest.raises(ValueError, match=r"graph: ids must lie in \[0, %d\)" % N):
+        grnnd.search(data, graph, queries, K, list_size=64)
+    # Under CUDA-graph capture the host cannot scan the ids: the kernels must skip them themselves.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capturing stream, on the intact graph
+        grnnd.search(data, graph_for("l2").cuda(), queries, K, list_size=64)
+    torch.cuda.current_stream().wait_stream(side)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        dists, ids = grnnd.search(data, graph, queries, K, list_size=64)
+    cuda_graph.replay()
     torch.cuda.synchronize()
     check_rows(dists, ids, N)
     assert (ids >= 0).all()

@@ -194,6 +194,7 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const at::Tensor& data, const at::
   check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
+  check_search_contents(data, graph, queries);
   at::Tensor out_dists =
       at::full({queries.size(0), p.k}, std::numeric_limits<float>::infinity(), queries.options().dtype(at::kFloat));
   at::Tensor out_ids = at::full({queries.size(0), p.k}, -1, queries.options().dtype(at::kLong));
@@ -208,6 +209,7 @@ at::Tensor search_distance_counts_cpu(const at::Tensor& data, const at::Tensor& 
   check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
+  check_search_contents(data, graph, queries);
   at::Tensor counts = at::zeros({queries.size(0)}, queries.options().dtype(at::kInt));
   run_search(data, graph, queries, filter, p, nullptr, nullptr, counts.data_ptr<int32_t>());
   return counts;

@@ -556,6 +556,49 @@ void launch(const at::Tensor& x, const at::Tensor& q, const SearchArgs& a, int t
   check_launch();
 }
 
+// Lowest row of `rows` (count elements of rows of `dim`) that holds a NaN or Inf, as an atomic
+// minimum into *first, which starts at the number of rows.
+template <typename scalar_t>
+__global__ void first_non_finite_row_kernel(const scalar_t* rows, int64_t count, int64_t dim,
+                                            unsigned long long* first) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    if (!isfinite(static_cast<double>(rows[i]))) atomicMin(first, static_cast<unsigned long long>(i / dim));
+  }
+}
+
+// The finiteness check of the queries, split around the search: start() queues a kernel that
+// finds the first non-finite row, finish() reads its answer once the search is queued too, and
+// raises. Skipped under CUDA-graph capture (contents_readable); the search orders NaN distances
+// last either way.
+class QueryCheck {
+ public:
+  QueryCheck(const at::Tensor& queries, cudaStream_t stream) {
+    if (!contents_readable(queries)) return;
+    const at::Tensor rows = queries.contiguous();
+    rows_ = rows.size(0);
+    first_ = at::full({1}, rows_, rows.options().dtype(at::kLong));
+    const int64_t count = rows.numel();
+    const int blocks = static_cast<int>(std::min<int64_t>((count + 255) / 256, 1024));
+    GRNND_DISPATCH_STORAGE(rows.scalar_type(), "first_non_finite_row", [&] {
+      first_non_finite_row_kernel<scalar_t><<<blocks, 256, 0, stream>>>(
+          rows.data_ptr<scalar_t>(), count, rows.size(1),
+          reinterpret_cast<unsigned long long*>(first_.data_ptr<int64_t>()));
+    });
+    check_launch();
+  }
+
+  void finish() const {
+    if (!first_.defined()) return;
+    const int64_t row = first_.item<int64_t>();
+    if (row < rows_) fail_non_finite("queries", row);
+  }
+
+ private:
+  at::Tensor first_;
+  int64_t rows_ = 0;
+};
+
 // Runs the search of every query (checked, parsed arguments); with `counts` defined, also adds
 // up the distances each query computed there.
 std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::Tensor& graph,
@@ -570,6 +613,7 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   const at::Tensor q = prepare_vectors(queries.to(x.scalar_type()), p.metric);
   const at::Tensor g = graph.contiguous();
   const at::Tensor allowed = filter.has_value() ? filter->contiguous() : at::Tensor();
+  const QueryCheck query_check(queries, stream);
 
   const int64_t n = data.size(0), nq = queries.size(0), degree = graph.size(1);
   TORCH_CHECK_VALUE(nq <= std::numeric_limits<int32_t>::max(), "queries: expected fewer than 2^31 rows, got ", nq);
@@ -650,6 +694,7 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
         out_ids.data_ptr<int64_t>());
     check_launch();
   }
+  query_check.finish();
   return {out_dists, out_ids};
 }
 
@@ -664,6 +709,7 @@ std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at:
   check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
+  check_search_contents(data, graph, queries);
   return run_search(data, graph, queries, filter, p, at::Tensor());
 }
 
@@ -674,6 +720,7 @@ at::Tensor search_distance_counts_cuda(const at::Tensor& data, const at::Tensor&
   check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
+  check_search_contents(data, graph, queries);
   at::Tensor counts = at::zeros({queries.size(0)}, queries.options().dtype(at::kInt));
   run_search(data, graph, queries, filter, p, counts);
   return counts;
