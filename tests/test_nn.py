@@ -87,7 +87,8 @@ def test_retriever_state_dict_round_trip(corpus, tmp_path):
     torch.save(retriever.state_dict(), tmp_path / "retriever.pt")
     restored = grnnd.nn.Retriever()
     restored.load_state_dict(torch.load(tmp_path / "retriever.pt", weights_only=True))
-    assert (restored.k, restored.metric, restored.list_size, restored.build_params) == (5, "cosine", 48, {"degree": 24})
+    assert (restored.k, restored.metric, restored.list_size, restored.build_params) == (5, "cosine", 48,
+                                                                                  grnnd.BuildParams(degree=24))
     again_dists, again_ids = restored(queries)
     assert torch.equal(ids, again_ids) and torch.equal(dists, again_dists)
     assert "n=3000, dim=16, k=5, metric='cosine'" in repr(restored)

@@ -1,11 +1,12 @@
 """Op registration: opcheck, torch.compile, schema defaults, the Index API."""
+import dataclasses
 import inspect
 
 import pytest
 import torch
 
 import torch_grnnd as grnnd
-from conftest import clustered
+from conftest import clustered, one_thread
 
 # Small enough that every kernel runs on one thread, so repeated calls agree exactly.
 DATA = clustered(60, 8, 4, seed=11)
@@ -118,14 +119,38 @@ def test_retriever_search_replays_in_a_cuda_graph():
         assert torch.equal(captured_ids, eager_ids) and torch.equal(captured_dists, eager_dists)
 
 
-@pytest.mark.parametrize("wrapper, op", [(grnnd.build, torch.ops.grnnd.build), (grnnd.search, torch.ops.grnnd.search),
-                                         (grnnd.search_distance_counts, torch.ops.grnnd.search_distance_counts),
-                                         (grnnd.knn, torch.ops.grnnd.knn)])
-def test_python_defaults_equal_schema_defaults(wrapper, op):
+@pytest.mark.parametrize("settings, op", [(grnnd.BuildParams, torch.ops.grnnd.build),
+                                          (grnnd.SearchParams, torch.ops.grnnd.search),
+                                          (grnnd.SearchParams, torch.ops.grnnd.search_distance_counts)])
+def test_settings_defaults_equal_schema_defaults(settings, op):
+    # Every setting with a schema default has that default; metric belongs to the data, not the settings.
     schema = {a.name: a.default_value for a in op.default._schema.arguments if a.has_default_value()}
-    params = {name: p.default for name, p in inspect.signature(wrapper).parameters.items()
-              if p.default is not inspect.Parameter.empty and name != "progress"}  # progress: Python only
-    assert params == schema
+    schema.pop("metric")
+    defaults = {f.name: f.default for f in dataclasses.fields(settings) if f.name in schema}
+    assert defaults == schema and set(schema) <= {f.name for f in dataclasses.fields(settings)}
+
+
+def test_settings_as_params_or_keywords():
+    data, graph, queries = DATA, GRAPH, QUERIES
+    params = grnnd.SearchParams(k=4, list_size=32, searches=2)
+    by_params = grnnd.search(data, graph, queries, params=params)
+    by_keywords = grnnd.search(data, graph, queries, 4, list_size=32, searches=2)
+    assert torch.equal(by_params[1], by_keywords[1]) and by_params[1].shape == (QUERIES.shape[0], 4)
+    # Keywords override the params; k overrides params.k.
+    assert grnnd.search(data, graph, queries, 2, params=params)[1].shape[1] == 2
+    counts = grnnd.search_distance_counts(data, graph, queries, params=params.replace(list_size=16))
+    assert counts.shape == (QUERIES.shape[0],)
+    with pytest.raises(TypeError, match=r"SearchParams: unknown setting\(s\) \['list_sise'\]"):
+        grnnd.search(data, graph, queries, 4, list_sise=32)
+    with pytest.raises(TypeError, match="params: expected BuildParams, got SearchParams"):
+        grnnd.build(data, params)
+    with one_thread():
+        a = grnnd.build(data, grnnd.BuildParams(degree=8, pool_size=16, initial_degree=8))
+        b = grnnd.build(data, degree=8, pool_size=16, initial_degree=8)
+    assert torch.equal(a, b)
+    index = grnnd.Index.build(data, grnnd.BuildParams(degree=8), pool_size=16)
+    assert index.build_params == grnnd.BuildParams(degree=8, pool_size=16)
+    assert grnnd.Index.from_state_dict(index.state_dict()).build_params == index.build_params
 
 
 def test_index_round_trip(tmp_path):
@@ -135,7 +160,7 @@ def test_index_round_trip(tmp_path):
     dists, ids = index.search(queries, k=5)
     torch.save(index.state_dict(), tmp_path / "index.pt")
     restored = grnnd.Index.from_state_dict(torch.load(tmp_path / "index.pt", weights_only=True))
-    assert restored.metric == "cosine" and restored.build_params == {"degree": 24} and len(restored) == 3000
+    assert restored.metric == "cosine" and restored.build_params == grnnd.BuildParams(degree=24) and len(restored) == 3000
     again_dists, again_ids = restored.search(queries, k=5)
     assert torch.equal(ids, again_ids) and torch.equal(dists, again_dists)
     assert "Index(n=3000, dim=16, degree=24" in repr(restored)

@@ -32,6 +32,7 @@ from .eval import recall
 from .graph import knn_graph
 from .index import Index
 from .ops import build, knn, search, search_distance_counts
+from .params import BuildParams, SearchParams
 
-__all__ = ["Index", "build", "search", "search_distance_counts", "knn", "knn_graph", "recall", "nn"]
+__all__ = ["Index", "BuildParams", "SearchParams", "build", "search", "search_distance_counts", "knn", "knn_graph", "recall", "nn"]
 __version__ = "0.1.0"

@@ -1,10 +1,12 @@
 """A searchable index: the vectors, their GRNND graph, and how they were built."""
+import dataclasses
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import ops
+from .params import BuildParams, SearchParams
 from .progress import Progress
 
 
@@ -24,27 +26,26 @@ class Index:
     """
 
     def __init__(self, data: Tensor, graph: Tensor, metric: ops.Metric = "l2",
-                 build_params: Optional[Dict[str, Any]] = None):
+                 build_params: Optional[BuildParams] = None):
         """Wrap existing ``data`` and the ``graph`` that ``build`` made of it (no copy)."""
         self.data = data
         self.graph = graph
         self.metric = metric
-        self.build_params = dict(build_params or {})
+        self.build_params = build_params if build_params is not None else BuildParams()
 
     @classmethod
-    def build(cls, data: Tensor, *, metric: ops.Metric = "l2", progress: Progress = False,
-              **build_params: Any) -> "Index":
-        """Build the graph of ``data``; ``build_params`` are those of :func:`torch_grnnd.build`
-        (kept in :meth:`state_dict`); ``progress`` reports the build (not kept)."""
-        graph = ops.build(data, metric=metric, progress=progress, **build_params)
-        return cls(data, graph, metric, build_params)
+    def build(cls, data: Tensor, params: Optional[BuildParams] = None, *, metric: ops.Metric = "l2",
+              progress: Progress = False, **settings: Any) -> "Index":
+        """Build the graph of ``data`` with :func:`torch_grnnd.build`'s ``params`` and
+        ``settings`` (kept in :meth:`state_dict`); ``progress`` reports the build (not kept)."""
+        params = BuildParams.merge(params, **settings)
+        graph = ops.build(data, params, metric=metric, progress=progress)
+        return cls(data, graph, metric, params)
 
-    def search(self, queries: Tensor, k: int = 10, *, list_size: int = 0, search_width: int = 1,
-               max_iters: int = 0, seed: int = 0, filter: Optional[Tensor] = None,
-               searches: int = 0) -> Tuple[Tensor, Tensor]:
+    def search(self, queries: Tensor, k: Optional[int] = None, *, params: Optional[SearchParams] = None,
+               **settings: Any) -> Tuple[Tensor, Tensor]:
         """``(dists, ids)`` of the k nearest rows of each query; see :func:`torch_grnnd.search`."""
-        return ops.search(self.data, self.graph, queries, k, list_size=list_size, search_width=search_width,
-                          max_iters=max_iters, metric=self.metric, seed=seed, filter=filter, searches=searches)
+        return ops.search(self.data, self.graph, queries, k, params=params, metric=self.metric, **settings)
 
     def __len__(self) -> int:
         return self.data.shape[0]
@@ -63,7 +64,8 @@ class Index:
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to restore the index, as tensors, strings and numbers."""
-        return {"data": self.data, "graph": self.graph, "metric": self.metric, "build_params": dict(self.build_params)}
+        return {"data": self.data, "graph": self.graph, "metric": self.metric,
+                "build_params": dataclasses.asdict(self.build_params)}
 
     @classmethod
     def from_state_dict(cls, state: Dict[str, Any]) -> "Index":
@@ -75,7 +77,7 @@ class Index:
             raise ValueError(f"state: missing keys {sorted(missing)}")
         data, graph, metric = state["data"], state["graph"], state["metric"]
         check_state(data, graph, metric)
-        return cls(data, graph, metric, state.get("build_params"))
+        return cls(data, graph, metric, BuildParams().replace(**state.get("build_params", {})))
 
     def __repr__(self) -> str:
         return (f"Index(n={len(self)}, dim={self.dim}, degree={self.graph.shape[1]}, metric={self.metric!r}, "

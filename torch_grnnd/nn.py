@@ -3,6 +3,7 @@
 Both work under ``torch.compile(fullgraph=True)`` (``KNNGraph`` without ``batch``), and the
 distances they return carry gradients to the embeddings (see :mod:`torch_grnnd.autograd`).
 """
+import dataclasses
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -11,6 +12,7 @@ from torch import Tensor, nn
 from .graph import knn_graph
 from .index import Index, check_state
 from .ops import Metric
+from .params import BuildParams, SearchParams
 from .progress import Progress
 
 
@@ -72,15 +74,28 @@ class Retriever(nn.Module):
     """
 
     def __init__(self, data: Optional[Tensor] = None, *, k: int = 10, metric: Metric = "l2", list_size: int = 0,
-                 progress: Progress = False, **build_params: Any):
+                 params: Optional[SearchParams] = None, build_params: Optional[BuildParams] = None,
+                 progress: Progress = False, **build_settings: Any):
         """Index ``data`` now, or leave the retriever empty until :meth:`rebuild` or
-        :meth:`load_state_dict`. ``build_params`` are those of :func:`torch_grnnd.build`."""
+        :meth:`load_state_dict`. The search settings are ``params`` (a
+        :class:`~torch_grnnd.SearchParams`) with ``k`` and ``list_size`` applied; the build's are
+        ``build_params`` with ``build_settings`` (fields of :class:`~torch_grnnd.BuildParams`)."""
         super().__init__()
-        self.k, self.metric, self.list_size, self.build_params = k, metric, list_size, dict(build_params)
+        self.metric = metric
+        self.search_params = SearchParams.merge(params, k=k, list_size=list_size)
+        self.build_params = BuildParams.merge(build_params, **build_settings)
         self.register_buffer("data", torch.empty(0, 0))
         self.register_buffer("graph", torch.empty(0, 0, dtype=torch.int32))
         if data is not None:
             self.rebuild(data, progress=progress)
+
+    @property
+    def k(self) -> int:
+        return self.search_params.k
+
+    @property
+    def list_size(self) -> int:
+        return self.search_params.list_size
 
     @property
     def index(self) -> Index:
@@ -89,7 +104,7 @@ class Retriever(nn.Module):
 
     def rebuild(self, data: Tensor, *, progress: Progress = False) -> "Retriever":
         """Index ``data`` (its rows, detached, without a copy) in place of the current vectors."""
-        index = Index.build(data.detach(), metric=self.metric, progress=progress, **self.build_params)
+        index = Index.build(data.detach(), self.build_params, metric=self.metric, progress=progress)
         self.data, self.graph = index.data, index.graph
         return self
 
@@ -98,18 +113,19 @@ class Retriever(nn.Module):
         """``(dists [Q, k], ids [Q, k])`` of the nearest indexed rows; see :meth:`Index.search`."""
         if self.data.shape[0] == 0:
             raise RuntimeError("Retriever is empty: call rebuild(embeddings) or load_state_dict(state) first")
-        return self.index.search(queries, self.k if k is None else k, list_size=self.list_size, filter=filter)
+        return self.index.search(queries, k, params=self.search_params, filter=filter)
 
     def __len__(self) -> int:
         return self.data.shape[0]
 
     def get_extra_state(self) -> Dict[str, Any]:
         return {"k": self.k, "metric": self.metric, "list_size": self.list_size,
-                "build_params": dict(self.build_params)}
+                "build_params": dataclasses.asdict(self.build_params)}
 
     def set_extra_state(self, state: Dict[str, Any]) -> None:
-        self.k, self.metric, self.list_size = state["k"], state["metric"], state["list_size"]
-        self.build_params = dict(state["build_params"])
+        self.metric = state["metric"]
+        self.search_params = self.search_params.replace(k=state["k"], list_size=state["list_size"])
+        self.build_params = BuildParams().replace(**state["build_params"])
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The number of rows is data, not configuration: take the incoming shapes (keeping
