@@ -180,4 +180,24 @@ void check_knn_inputs(const at::Tensor& data, const at::Tensor& queries, int64_t
   check_finite(queries, "queries");
 }
 
+void check_knn_segments_inputs(const at::Tensor& x, const at::Tensor& y, const at::Tensor& ptr_x,
+                               const at::Tensor& batch_y, int64_t k) {
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{x, "x"}, {y, "y"}}) {
+    TORCH_CHECK_VALUE(t.dim() == 2, name, ": expected a 2-D tensor [n, dim], got shape ", t.sizes());
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, ": expected float32, got ", t.scalar_type());
+  }
+  TORCH_CHECK_VALUE(x.size(1) == y.size(1), "y: expected dim ", x.size(1), " to match x, got ", y.size(1));
+  TORCH_CHECK_VALUE(x.size(0) < std::numeric_limits<int32_t>::max(), "x: expected fewer than 2^31 - 1 rows");
+  TORCH_CHECK_TYPE(ptr_x.scalar_type() == at::kLong && batch_y.scalar_type() == at::kLong,
+                   "ptr_x, batch_y: expected int64, got ", ptr_x.scalar_type(), " and ", batch_y.scalar_type());
+  TORCH_CHECK_VALUE(ptr_x.dim() == 1 && ptr_x.size(0) >= 2, "ptr_x: expected shape [examples + 1], got ",
+                    ptr_x.sizes());
+  TORCH_CHECK_VALUE(batch_y.dim() == 1 && batch_y.size(0) == y.size(0), "batch_y: expected shape [", y.size(0),
+                    "] (one example index per row of y), got ", batch_y.sizes());
+  check_same_device(x, "x", y, "y");
+  check_same_device(x, "x", ptr_x, "ptr_x");
+  check_same_device(x, "x", batch_y, "batch_y");
+  TORCH_CHECK_VALUE(k >= 1, "k: expected >= 1, got ", k);
+}
+
 }  // namespace grnnd

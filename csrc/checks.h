@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include "segments.h"
+
 namespace grnnd {
 
 // A matrix of vectors, one per row: `data`, `queries`.
@@ -45,5 +47,9 @@ void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const 
 // queries. Skipped where contents are not readable.
 void check_search_contents(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries);
 void check_knn_inputs(const at::Tensor& data, const at::Tensor& queries, int64_t k);
+// knn_segments: float32 x [nx, D] and y [ny, D] (either may be empty), int64 ptr_x [examples + 1]
+// and batch_y [ny], all on one device. Values are not read: the kernels clamp them (segments.h).
+void check_knn_segments_inputs(const at::Tensor& x, const at::Tensor& y, const at::Tensor& ptr_x,
+                               const at::Tensor& batch_y, int64_t k);
 
 }  // namespace grnnd

@@ -44,6 +44,10 @@ TORCH_LIBRARY(grnnd, m) {
       "int searches=0) -> Tensor");
   // Exact k nearest neighbours.
   m.def("knn(Tensor data, Tensor queries, int k, *, str metric=\"l2\") -> (Tensor, Tensor)");
+  // Exact k nearest neighbours of each row of y among the rows of its own example of x (examples
+  // back to back: example b of x is rows ptr_x[b] .. ptr_x[b + 1], row i of y is in example
+  // batch_y[i]); squared l2, -1 / +inf padded where an example has fewer than k rows.
+  m.def("knn_segments(Tensor x, Tensor y, Tensor ptr_x, Tensor batch_y, int k) -> (Tensor, Tensor)");
   // k nearest neighbours of every row of data among the other rows.
   m.def(
       "knn_graph(Tensor data, int k, *, str metric=\"l2\", bool exact=False, int list_size=0, int seed=0) "
@@ -73,5 +77,7 @@ TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
             int64_t) -> at::Tensor { no_cuda_kernel("search_distance_counts"); });
   m.impl("knn", [](const at::Tensor&, const at::Tensor&, int64_t, c10::string_view)
                     -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("knn"); });
+  m.impl("knn_segments", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            int64_t) -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("knn_segments"); });
 }
 #endif

@@ -26,6 +26,8 @@ GRAPH = grnnd.build(DATA, degree=8, pool_size=16, initial_degree=8)
         (torch.ops.grnnd.knn.default, (DATA, QUERIES, 5), dict(metric="ip")),
         (torch.ops.grnnd.knn_graph.default, (DATA, 4), dict()),
         (torch.ops.grnnd.knn_graph.default, (DATA, 4), dict(exact=True)),
+        (torch.ops.grnnd.knn_segments.default, (DATA, QUERIES, torch.tensor([0, 25, 60]),
+                                                torch.tensor([0, 0, 1, 1, 1, 0, 1]), 5), dict()),
     ],
 )
 def test_opcheck(op, args, kwargs):

@@ -163,3 +163,8 @@ def _knn_fake(data, queries, k, **_):
 @torch.library.register_fake("grnnd::knn_graph")
 def _knn_graph_fake(data, k, **_):
     return _query_outputs(data, data, k)
+
+
+@torch.library.register_fake("grnnd::knn_segments")
+def _knn_segments_fake(x, y, ptr_x, batch_y, k):
+    return _query_outputs(x, y, k)

@@ -1,0 +1,67 @@
+// Exact k nearest neighbours within segments on the CPU: the twin of
+// csrc/cuda/knn_segments_cuda.cu.
+//
+// A batch of small examples (point clouds, graphs) in one call, as PyTorch Geometric batches
+// them: the rows of example b of `x` are ptr_x[b] .. ptr_x[b + 1], and query i of `y` looks
+// only at the rows of example batch_y[i]. Candidates are visited in row order and kept by
+// (distance, row), so ties go to the lower row, as in torch_cluster.
+#include <limits>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "../checks.h"
+
+namespace grnnd {
+namespace cpu {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> knn_segments_cpu(const at::Tensor& x, const at::Tensor& y,
+                                                    const at::Tensor& ptr_x, const at::Tensor& batch_y, int64_t k) {
+  check_knn_segments_inputs(x, y, ptr_x, batch_y, k);
+  const at::Tensor xs = x.contiguous(), ys = y.contiguous();
+  const at::Tensor ptr = ptr_x.contiguous(), batch = batch_y.contiguous();
+  const int64_t nx = xs.size(0), ny = ys.size(0), dim = xs.size(1), examples = ptr.size(0) - 1;
+  at::Tensor out_d = at::full({ny, k}, std::numeric_limits<float>::infinity(), y.options().dtype(at::kFloat));
+  at::Tensor out_i = at::full({ny, k}, -1, y.options().dtype(at::kLong));
+  const float* xp = xs.data_ptr<float>();
+  const float* yp = ys.data_ptr<float>();
+  const int64_t* pp = ptr.data_ptr<int64_t>();
+  const int64_t* bp = batch.data_ptr<int64_t>();
+  float* dp = out_d.data_ptr<float>();
+  int64_t* ip = out_i.data_ptr<int64_t>();
+
+  at::parallel_for(0, ny, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const SegmentRange rows = segment_range(pp, examples, nx, bp[i]);
+      float* best_d = dp + i * k;
+      int64_t* best_i = ip + i * k;
+      const float* q = yp + i * dim;
+      for (int64_t c = rows.begin; c < rows.end; ++c) {
+        const float* r = xp + c * dim;
+        float d = 0.f;
+        for (int64_t j = 0; j < dim; ++j) {
+          const float diff = q[j] - r[j];
+          d += diff * diff;
+        }
+        if (!(d < best_d[k - 1])) continue;
+        int64_t p = k - 1;
+        for (; p > 0 && best_d[p - 1] > d; --p) {
+          best_d[p] = best_d[p - 1];
+          best_i[p] = best_i[p - 1];
+        }
+        best_d[p] = d;
+        best_i[p] = c;
+      }
+    }
+  });
+  return {out_d, out_i};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(grnnd, CPU, m) { m.impl("knn_segments", &knn_segments_cpu); }
+
+}  // namespace cpu
+}  // namespace grnnd

@@ -1,0 +1,144 @@
+"""torch_grnnd.pyg: torch_cluster's knn / knn_graph / radius / radius_graph semantics, exact,
+on hand-made clouds with known answers and against a brute-force reference per example."""
+import pytest
+import torch
+
+from torch_grnnd.pyg import knn, knn_graph, radius, radius_graph
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+def edge_set(edge_index: torch.Tensor) -> set:
+    return set(map(tuple, edge_index.t().tolist()))
+
+
+def reference_knn(x, y, k, batch_x, batch_y, cosine=False):
+    """torch_cluster's knn by brute force, one example at a time: (y index, x index) pairs, each
+    query's nearest first, ties to the lower index."""
+    edges = []
+    for i in range(y.shape[0]):
+        rows = (batch_x == batch_y[i]).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        a, b = y[i].double(), x[rows].double()
+        d = 1 - torch.nn.functional.cosine_similarity(a.unsqueeze(0), b) if cosine else (b - a).pow(2).sum(1)
+        order = sorted(range(rows.numel()), key=lambda j: (d[j].item(), rows[j].item()))[:k]
+        edges += [(i, rows[j].item()) for j in order]
+    return edges
+
+
+# Points on a line: 0, 1, 3 | 10, 11 | (example 2 empty) | 20
+LINE = torch.tensor([[0.0], [1.0], [3.0], [10.0], [11.0], [20.0]])
+LINE_BATCH = torch.tensor([0, 0, 0, 1, 1, 3])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_knn_graph_known_answers(device):
+    x, batch = LINE.to(device), LINE_BATCH.to(device)
+    # k = 1: each point's nearest other point of its example; the lone point of example 3 has none.
+    assert knn_graph(x, 1, batch).tolist() == [[1, 0, 1, 4, 3], [0, 1, 2, 3, 4]]
+    assert knn_graph(x, 1, batch, flow="target_to_source").tolist() == [[0, 1, 2, 3, 4], [1, 0, 1, 4, 3]]
+    # loop=True: the point is one of its own k nearest (k edges, not k + 1).
+    assert knn_graph(x, 1, batch, True).tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]]
+    # Examples smaller than k + 1 give what they have: 2, 2, 2 in the first, 1, 1 in the second.
+    assert edge_set(knn_graph(x, 5, batch)) == {(1, 0), (2, 0), (0, 1), (2, 1), (0, 2), (1, 2), (4, 3), (3, 4)}
+    # Positional arguments in torch_cluster's order, batch_size given (no host synchronisation).
+    assert knn_graph(x, 2, batch, False, "source_to_target", False, 1, 4).shape == (2, 8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_knn_two_sets_known_answers(device):
+    x, batch_x = LINE.to(device), LINE_BATCH.to(device)
+    y = torch.tensor([[2.9], [10.4], [19.0], [5.0]], device=device)
+    batch_y = torch.tensor([0, 1, 2, 3], device=device)  # example 2 has no rows of x
+    assert knn(x, y, 2, batch_x, batch_y).tolist() == [[0, 0, 1, 1, 3], [2, 1, 3, 4, 5]]
+    edge_index, dists = knn(x, y, 1, batch_x, batch_y, return_distances=True)
+    assert edge_index.tolist() == [[0, 1, 3], [2, 3, 5]]
+    assert torch.allclose(dists.cpu(), torch.tensor([0.01, 0.16, 225.0]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_inputs_give_empty_edges(device):
+    empty = torch.empty(0, 3, device=device)
+    some = torch.randn(5, 3, device=device)
+    for edge_index in (knn(empty, some, 2), knn(some, empty, 2), knn_graph(empty, 3), radius_graph(empty, 1.0)):
+        assert edge_index.shape == (2, 0) and edge_index.dtype == torch.long and edge_index.device == some.device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cosine", [False, True])
+def test_knn_matches_brute_force_per_example(device, dtype, cosine):
+    g = torch.Generator().manual_seed(3)
+    sizes = [7, 1, 40, 0, 25, 3]  # smaller than k, empty, larger than k
+    batch_x = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    x = torch.randn(int(sum(sizes)), 6, generator=g).to(dtype)
+    batch_y = torch.tensor([0, 0, 1, 2, 2, 2, 3, 4, 5, 5])
+    y = torch.randn(batch_y.numel(), 6, generator=g).to(dtype)
+    got = knn(x.to(device), y.to(device), 5, batch_x.to(device), batch_y.to(device), cosine)
+    want = reference_knn(x.float(), y.float(), 5, batch_x, batch_y, cosine)
+    assert got.cpu().t().tolist() == [list(e) for e in want]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_knn_graph_matches_torch_cluster_definition(device):
+    # torch_cluster: knn(x, x, k + 1), then row and column swapped for source_to_target, self edges dropped.
+    g = torch.Generator().manual_seed(5)
+    batch = torch.repeat_interleave(torch.arange(4), torch.tensor([30, 2, 50, 9]))
+    x = torch.randn(batch.numel(), 3, generator=g)
+    pairs = reference_knn(x, x, 7, batch, batch)
+    want = [(j, i) for i, j in pairs if i != j]
+    got = knn_graph(x.to(device), 6, batch.to(device))
+    assert got.cpu().t().tolist() == [list(e) for e in want]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_radius_known_answers(device):
+    x, batch = LINE.to(device), LINE_BATCH.to(device)
+    # Within 1.5 on the line: 0-1 and 10-11; 1-3 is 2 apart.
+    assert edge_set(radius_graph(x, 1.5, batch)) == {(1, 0), (0, 1), (4, 3), (3, 4)}
+    assert edge_set(radius_graph(x, 1.5, batch, loop=True)) == {(1, 0), (0, 1), (4, 3), (3, 4)} | {
+        (i, i) for i in range(6)}
+    # At most max_num_neighbors, the nearest: from 2.5 within 3 are 3 (0.5), 1 (1.5) and 0 (2.5).
+    y = torch.tensor([[2.5]], device=device)
+    assert radius(x, y, 3.0, batch, torch.tensor([0], device=device), max_num_neighbors=2).tolist() == [[0, 0], [2, 1]]
+
+
+def test_argument_errors():
+    x = torch.randn(10, 3)
+    with pytest.raises(ValueError, match="flow: expected"):
+        knn_graph(x, 2, flow="up")
+    with pytest.raises(ValueError, match=r"batch_x: expected shape \[10\]"):
+        knn(x, x, 2, torch.zeros(9, dtype=torch.long), torch.zeros(10, dtype=torch.long))
+    with pytest.raises(ValueError, match="both are needed"):
+        knn(x, x, 2, torch.tensor([0] * 5 + [1] * 5), None)
+    with pytest.raises(ValueError, match="y: expected dim 3 to match x, got 2"):
+        knn(x, torch.randn(4, 2), 2)
+    with pytest.raises(TypeError, match="x: expected a floating-point tensor"):
+        knn_graph(torch.zeros(10, 3, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match="k: expected >= 1"):
+        knn(x, x, 0)
+
+
+def test_approximate_finds_the_exact_neighbours_on_easy_data():
+    g = torch.Generator().manual_seed(8)
+    batch = torch.repeat_interleave(torch.arange(2), torch.tensor([600, 400]))
+    x = torch.randn(1000, 8, generator=g)
+    exact = edge_set(knn_graph(x, 5, batch))
+    approximate = edge_set(knn_graph(x, 5, batch, approximate=True))
+    assert len(exact & approximate) >= 0.95 * len(exact)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dim, k", [(3, 20), (64, 20), (5, 128)])
+def test_cuda_equals_cpu_on_point_cloud_batches(dim, k):
+    # A DGCNN-sized batch: 32 clouds of varying size around 1024 points.
+    g = torch.Generator().manual_seed(dim)
+    sizes = torch.randint(900, 1100, (32,), generator=g)
+    batch = torch.repeat_interleave(torch.arange(32), sizes)
+    x = torch.randn(batch.numel(), dim, generator=g)
+    cpu = knn_graph(x, k, batch, batch_size=32)
+    gpu = knn_graph(x.cuda(), k, batch.cuda(), batch_size=32)
+    assert torch.equal(cpu, gpu.cpu())

@@ -1,0 +1,204 @@
+"""torch_cluster's k-NN and radius API, for PyTorch Geometric models.
+
+``from torch_grnnd.pyg import knn_graph`` replaces ``from torch_cluster import knn_graph``: the
+same arguments in the same order with the same defaults, and the same edges. Examples are
+batched as PyG batches them (a sorted ``batch`` vector); every example of a batch is searched in
+one kernel launch (``torch.ops.grnnd.knn_segments``), exactly, each query among the rows of its
+own example only. Passing ``batch_size`` (the number of examples) spares the host
+synchronisation that reading it from ``batch`` costs.
+
+Semantics, as torch_cluster's:
+  - ``knn(x, y, k)`` returns ``[2, E]`` with row 0 the index into ``y`` and row 1 the index into
+    ``x``, each query's neighbours nearest first (ties to the lower index); an example with fewer
+    than ``k`` rows gives all it has, an empty example none, empty input an empty ``[2, 0]``.
+  - ``knn_graph(x, k, loop=False)`` asks ``knn`` for ``k + 1`` neighbours of every point and drops
+    the self edges, so each point keeps ``k`` neighbours (a duplicate point may keep ``k + 1``);
+    with ``loop=True`` the point counts among its own ``k`` nearest. ``flow="source_to_target"``
+    puts the neighbour in row 0 and the point in row 1.
+  - ``radius(x, y, r)`` links each query to the rows of its example within distance ``r``
+    (squared distance < ``r * r``), at most ``max_num_neighbors`` of them: here the nearest ones.
+    torch_cluster's CUDA kernel keeps the first ones in row order instead, so when an example has
+    more than ``max_num_neighbors`` rows within ``r`` the two may keep different ones.
+  - ``cosine=True`` ranks by ``1 - cosine similarity``; ``num_workers`` is accepted and unused (the
+    CPU kernel uses torch's threads).
+
+Beyond torch_cluster (keyword-only): ``return_distances=True`` also returns each edge's distance
+(squared l2, or 1 - cosine), differentiable with respect to ``x`` and ``y``; ``approximate=True``
+answers each example from a GRNND graph (``build`` + ``search``) instead of exactly, one example
+after another.
+
+Example:
+    >>> import torch
+    >>> from torch_grnnd.pyg import knn, knn_graph
+    >>> x = torch.tensor([[0.0], [1.0], [3.0], [10.0], [11.0]])
+    >>> batch = torch.tensor([0, 0, 0, 1, 1])
+    >>> knn_graph(x, 1, batch).tolist()           # each point's nearest other point of its example
+    [[1, 0, 1, 4, 3], [0, 1, 2, 3, 4]]
+    >>> knn(x, torch.tensor([[2.9]]), 2).tolist() # row 0 indexes y, row 1 indexes x
+    [[0, 0], [2, 1]]
+"""
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+EdgeIndex = Union[Tensor, Tuple[Tensor, Tensor]]
+
+
+def knn(x: Tensor, y: Tensor, k: int, batch_x: Optional[Tensor] = None, batch_y: Optional[Tensor] = None,
+        cosine: bool = False, num_workers: int = 1, batch_size: Optional[int] = None, *,
+        approximate: bool = False, return_distances: bool = False) -> EdgeIndex:
+    """For each row of ``y``, its ``k`` nearest rows of ``x`` in the same example: ``[2, E]``,
+    row 0 indexing ``y``, row 1 indexing ``x``. See the module docstring for the semantics."""
+    x, y = _as_points(x, "x"), _as_points(y, "y")
+    if x.shape[1] != y.shape[1]:
+        raise ValueError(f"y: expected dim {x.shape[1]} to match x, got {y.shape[1]}")
+    if k < 1:
+        raise ValueError(f"k: expected >= 1, got {k}")
+    if x.shape[0] == 0 or y.shape[0] == 0:
+        return _edges(x, y, _empty_edges(x), cosine, return_distances)
+    ptr_x, batch_y = _segments(x, y, batch_x, batch_y, batch_size)
+    xs, ys = _search_space(x, cosine), _search_space(y, cosine)
+    if approximate:
+        ids = _approximate(xs, ys, ptr_x, batch_y, k)
+    else:
+        ids = torch.ops.grnnd.knn_segments.default(xs, ys, ptr_x, batch_y, k)[1]
+    rows = torch.arange(y.shape[0], device=y.device).unsqueeze(1).expand_as(ids)
+    found = ids >= 0
+    edge_index = torch.stack([rows[found], ids[found]])
+    return _edges(x, y, edge_index, cosine, return_distances)
+
+
+def knn_graph(x: Tensor, k: int, batch: Optional[Tensor] = None, loop: bool = False,
+              flow: str = "source_to_target", cosine: bool = False, num_workers: int = 1,
+              batch_size: Optional[int] = None, *, approximate: bool = False,
+              return_distances: bool = False) -> EdgeIndex:
+    """The k-NN graph of the rows of ``x``, each example on its own: ``[2, E]``. With
+    ``flow="source_to_target"`` row 0 holds the neighbour and row 1 the point."""
+    _check_flow(flow)
+    found = knn(x, x, k if loop else k + 1, batch, batch, cosine, num_workers, batch_size,
+                approximate=approximate, return_distances=return_distances)
+    return _graph_edges(found, loop, flow, return_distances)
+
+
+def radius(x: Tensor, y: Tensor, r: float, batch_x: Optional[Tensor] = None, batch_y: Optional[Tensor] = None,
+           max_num_neighbors: int = 32, num_workers: int = 1, batch_size: Optional[int] = None, *,
+           return_distances: bool = False) -> EdgeIndex:
+    """For each row of ``y``, the rows of ``x`` of its example within distance ``r`` (at most
+    ``max_num_neighbors``, the nearest): ``[2, E]``, row 0 indexing ``y``, row 1 ``x``."""
+    x, y = _as_points(x, "x"), _as_points(y, "y")
+    if x.shape[1] != y.shape[1]:
+        raise ValueError(f"y: expected dim {x.shape[1]} to match x, got {y.shape[1]}")
+    if not r >= 0:
+        raise ValueError(f"r: expected >= 0, got {r}")
+    if max_num_neighbors < 1:
+        raise ValueError(f"max_num_neighbors: expected >= 1, got {max_num_neighbors}")
+    if x.shape[0] == 0 or y.shape[0] == 0:
+        return _edges(x, y, _empty_edges(x), False, return_distances)
+    ptr_x, batch_y = _segments(x, y, batch_x, batch_y, batch_size)
+    dists, ids = torch.ops.grnnd.knn_segments.default(x.float().contiguous(), y.float().contiguous(), ptr_x,
+                                                      batch_y, max_num_neighbors)
+    rows = torch.arange(y.shape[0], device=y.device).unsqueeze(1).expand_as(ids)
+    found = (ids >= 0) & (dists < r * r)
+    return _edges(x, y, torch.stack([rows[found], ids[found]]), False, return_distances)
+
+
+def radius_graph(x: Tensor, r: float, batch: Optional[Tensor] = None, loop: bool = False,
+                 max_num_neighbors: int = 32, flow: str = "source_to_target", num_workers: int = 1,
+                 batch_size: Optional[int] = None, *, return_distances: bool = False) -> EdgeIndex:
+    """The graph linking the rows of ``x`` closer than ``r``, each example on its own: ``[2, E]``."""
+    _check_flow(flow)
+    found = radius(x, x, r, batch, batch, max_num_neighbors if loop else max_num_neighbors + 1, num_workers,
+                   batch_size, return_distances=return_distances)
+    return _graph_edges(found, loop, flow, return_distances)
+
+
+def _as_points(t: Tensor, name: str) -> Tensor:
+    if t.dim() == 1:
+        t = t.view(-1, 1)
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected a 1-D or 2-D tensor, got shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+    return t
+
+
+def _check_flow(flow: str) -> None:
+    if flow not in ("source_to_target", "target_to_source"):
+        raise ValueError(f'flow: expected "source_to_target" or "target_to_source", got {flow!r}')
+
+
+def _empty_edges(x: Tensor) -> Tensor:
+    return torch.empty(2, 0, dtype=torch.long, device=x.device)
+
+
+def _segments(x: Tensor, y: Tensor, batch_x: Optional[Tensor], batch_y: Optional[Tensor],
+              batch_size: Optional[int]) -> Tuple[Tensor, Tensor]:
+    """``ptr_x`` [examples + 1] and ``batch_y`` [len(y)] for knn_segments, as torch_cluster forms them."""
+    for name, batch, points in (("batch_x", batch_x, x), ("batch_y", batch_y, y)):
+        if batch is not None and (batch.dim() != 1 or batch.shape[0] != points.shape[0]):
+            raise ValueError(f"{name}: expected shape [{points.shape[0]}] (one example index per row), "
+                             f"got {tuple(batch.shape)}")
+    if batch_size is None:  # reading it costs a host synchronisation per batch vector
+        batch_size = 1
+        for batch in (batch_x, batch_y):
+            if batch is not None:
+                batch_size = max(batch_size, int(batch.max()) + 1)
+    if batch_size < 1:
+        raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
+    if batch_size > 1 and (batch_x is None or batch_y is None):
+        raise ValueError("batch_x, batch_y: both are needed when there is more than one example")
+    if batch_x is None:
+        ptr_x = torch.tensor([0, x.shape[0]], device=x.device)
+    else:
+        ptr_x = torch.bucketize(torch.arange(batch_size + 1, device=x.device), batch_x.long())
+    if batch_y is None:
+        batch_y = torch.zeros(y.shape[0], dtype=torch.long, device=y.device)
+    return ptr_x, batch_y.long()
+
+
+def _search_space(points: Tensor, cosine: bool) -> Tensor:
+    points = points.float()
+    if cosine:  # on unit rows |a - b|^2 = 2 (1 - cos): the same order as 1 - cos
+        points = torch.nn.functional.normalize(points, dim=1)
+    return points.contiguous()
+
+
+def _approximate(xs: Tensor, ys: Tensor, ptr_x: Tensor, batch_y: Tensor, k: int) -> Tensor:
+    """knn_segments' ids [len(y), k] from a GRNND graph of each example (one after another)."""
+    ids = torch.full((ys.shape[0], k), -1, dtype=torch.long, device=ys.device)
+    bounds = ptr_x.tolist()
+    for b in range(len(bounds) - 1):
+        start, end = bounds[b], bounds[b + 1]
+        queries = (batch_y == b).nonzero().flatten()
+        if end == start or queries.numel() == 0:
+            continue
+        rows = xs[start:end]
+        take = min(k, end - start)
+        _, found = ops.search(rows, ops.build(rows), ys[queries], take, list_size=max(64, take))
+        ids[queries, :take] = torch.where(found >= 0, found + start, found)
+    return ids
+
+
+def _edges(x: Tensor, y: Tensor, edge_index: Tensor, cosine: bool, return_distances: bool) -> EdgeIndex:
+    if not return_distances:
+        return edge_index
+    a, b = y[edge_index[0]].float(), x[edge_index[1]].float()
+    if cosine:
+        dists = 1 - torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    else:
+        dists = (a - b).pow(2).sum(-1)
+    return edge_index, dists
+
+
+def _graph_edges(found: EdgeIndex, loop: bool, flow: str, return_distances: bool) -> EdgeIndex:
+    edge_index, dists = found if return_distances else (found, None)
+    row, col = (edge_index[1], edge_index[0]) if flow == "source_to_target" else (edge_index[0], edge_index[1])
+    if not loop:
+        keep = row != col
+        row, col = row[keep], col[keep]
+        dists = dists[keep] if dists is not None else None
+    edge_index = torch.stack([row, col])
+    return (edge_index, dists) if return_distances else edge_index
