@@ -7,7 +7,8 @@ many small clouds in one batch. For each: the median of 10 timed calls after a w
 events), of
   - torch: cdist + topk on the clouds stacked as [B, n, d] (what PyG users write without
     torch_cluster; every cloud has n points here so the stacking is free);
-  - grnnd exact: torch_grnnd.pyg.knn_graph(x, k, batch, batch_size=B), one launch for the batch;
+  - grnnd exact: torch_grnnd.pyg.knn_graph(x, k, batch, batch_size=B), one knn_segments call for
+    the batch (a CPU kernel so far: the time includes the copies to the host and back);
   - grnnd approximate: the same with approximate=True (a GRNND graph per cloud), recall against
     the exact edges;
 and checks that the exact edges equal torch's. torch_cluster is timed too where it is installed.

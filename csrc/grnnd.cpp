@@ -77,7 +77,5 @@ TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
             int64_t) -> at::Tensor { no_cuda_kernel("search_distance_counts"); });
   m.impl("knn", [](const at::Tensor&, const at::Tensor&, int64_t, c10::string_view)
                     -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("knn"); });
-  m.impl("knn_segments", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            int64_t) -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("knn_segments"); });
 }
 #endif

@@ -1,5 +1,5 @@
 // Examples stored back to back, PyTorch Geometric's batching: the rows of example b are
-// ptr[b] .. ptr[b + 1]. Shared by the CPU and CUDA kernels of knn_segments.
+// ptr[b] .. ptr[b + 1]. Host and device code alike may locate an example's rows with it.
 #pragma once
 
 #include <cstdint>
@@ -7,9 +7,6 @@
 #include <c10/macros/Macros.h>
 
 namespace grnnd {
-
-// Largest k of the segment kNN on CUDA (its running best list lives in each thread's local memory).
-constexpr int kMaxSegmentK = 128;
 
 struct SegmentRange {
   int64_t begin, end;

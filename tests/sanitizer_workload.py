@@ -27,7 +27,6 @@ def main():
         data = torch.randn(3000, 24, generator=g, device="cuda").to(dtype)
         grnnd.knn(data, data[:40], k, metric=metric)
     edge_sizes(g)
-    point_clouds(g)
     torch.cuda.synchronize()
     print("sanitizer workload done")
 
@@ -51,18 +50,6 @@ def edge_sizes(g: torch.Generator):
                 grnnd.knn_graph(data, min(n - 1, 5))
                 grnnd.knn_graph(data, min(n - 1, 5), exact=True)
 
-
-
-def point_clouds(g: torch.Generator):
-    """knn_segments: examples of several sizes (one empty, some smaller than k), k up to its
-    bound, one column and 64, a block whose queries span many tiny examples."""
-    from torch_grnnd.pyg import knn, knn_graph
-
-    for dim, sizes, k in [(3, [1000, 0, 5, 300, 1], 20), (64, [40] * 9, 128), (1, [2] * 200, 3)]:
-        batch = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).cuda()
-        x = torch.randn(batch.numel(), dim, generator=g, device="cuda")
-        knn_graph(x, min(k, 127), batch, batch_size=len(sizes))
-        knn(x, x[:7], k, batch, batch[:7], batch_size=len(sizes))
 
 
 if __name__ == "__main__":

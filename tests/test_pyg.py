@@ -132,7 +132,7 @@ def test_approximate_finds_the_exact_neighbours_on_easy_data():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dim, k", [(3, 20), (64, 20), (5, 128)])
+@pytest.mark.parametrize("dim, k", [(3, 20), (64, 20)])
 def test_cuda_equals_cpu_on_point_cloud_batches(dim, k):
     # A DGCNN-sized batch: 32 clouds of varying size around 1024 points.
     g = torch.Generator().manual_seed(dim)

@@ -3,9 +3,11 @@
 ``from torch_grnnd.pyg import knn_graph`` replaces ``from torch_cluster import knn_graph``: the
 same arguments in the same order with the same defaults, and the same edges. Examples are
 batched as PyG batches them (a sorted ``batch`` vector); every example of a batch is searched in
-one kernel launch (``torch.ops.grnnd.knn_segments``), exactly, each query among the rows of its
-own example only. Passing ``batch_size`` (the number of examples) spares the host
-synchronisation that reading it from ``batch`` costs.
+one call of ``torch.ops.grnnd.knn_segments``, exactly, each query among the rows of its own
+example only. Passing ``batch_size`` (the number of examples) spares the host synchronisation
+that reading it from ``batch`` costs. That op has a CPU kernel only so far: CUDA inputs are
+searched on the CPU and the edges returned on their device (a copy each way and a host
+synchronisation per call), so on a GPU this module is correct but not yet fast.
 
 Semantics, as torch_cluster's:
   - ``knn(x, y, k)`` returns ``[2, E]`` with row 0 the index into ``y`` and row 1 the index into
@@ -61,10 +63,7 @@ def knn(x: Tensor, y: Tensor, k: int, batch_x: Optional[Tensor] = None, batch_y:
         return _edges(x, y, _empty_edges(x), cosine, return_distances)
     ptr_x, batch_y = _segments(x, y, batch_x, batch_y, batch_size)
     xs, ys = _search_space(x, cosine), _search_space(y, cosine)
-    if approximate:
-        ids = _approximate(xs, ys, ptr_x, batch_y, k)
-    else:
-        ids = torch.ops.grnnd.knn_segments.default(xs, ys, ptr_x, batch_y, k)[1]
+    ids = _approximate(xs, ys, ptr_x, batch_y, k) if approximate else _knn_segments(xs, ys, ptr_x, batch_y, k)[1]
     rows = torch.arange(y.shape[0], device=y.device).unsqueeze(1).expand_as(ids)
     found = ids >= 0
     edge_index = torch.stack([rows[found], ids[found]])
@@ -98,8 +97,7 @@ def radius(x: Tensor, y: Tensor, r: float, batch_x: Optional[Tensor] = None, bat
     if x.shape[0] == 0 or y.shape[0] == 0:
         return _edges(x, y, _empty_edges(x), False, return_distances)
     ptr_x, batch_y = _segments(x, y, batch_x, batch_y, batch_size)
-    dists, ids = torch.ops.grnnd.knn_segments.default(x.float().contiguous(), y.float().contiguous(), ptr_x,
-                                                      batch_y, max_num_neighbors)
+    dists, ids = _knn_segments(_search_space(x, False), _search_space(y, False), ptr_x, batch_y, max_num_neighbors)
     rows = torch.arange(y.shape[0], device=y.device).unsqueeze(1).expand_as(ids)
     found = (ids >= 0) & (dists < r * r)
     return _edges(x, y, torch.stack([rows[found], ids[found]]), False, return_distances)
@@ -157,6 +155,14 @@ def _segments(x: Tensor, y: Tensor, batch_x: Optional[Tensor], batch_y: Optional
     if batch_y is None:
         batch_y = torch.zeros(y.shape[0], dtype=torch.long, device=y.device)
     return ptr_x, batch_y.long()
+
+
+def _knn_segments(xs: Tensor, ys: Tensor, ptr_x: Tensor, batch_y: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """``knn_segments`` on the CPU kernel (the only one so far), its results on ``ys``'s device."""
+    if xs.device.type == "cpu":
+        return torch.ops.grnnd.knn_segments.default(xs, ys, ptr_x, batch_y, k)
+    dists, ids = torch.ops.grnnd.knn_segments.default(xs.cpu(), ys.cpu(), ptr_x.cpu(), batch_y.cpu(), k)
+    return dists.to(ys.device), ids.to(ys.device)
 
 
 def _search_space(points: Tensor, cosine: bool) -> Tensor:
