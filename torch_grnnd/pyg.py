@@ -54,20 +54,14 @@ def knn(x: Tensor, y: Tensor, k: int, batch_x: Optional[Tensor] = None, batch_y:
         approximate: bool = False, return_distances: bool = False) -> EdgeIndex:
     """For each row of ``y``, its ``k`` nearest rows of ``x`` in the same example: ``[2, E]``,
     row 0 indexing ``y``, row 1 indexing ``x``. See the module docstring for the semantics."""
-    x, y = _as_points(x, "x"), _as_points(y, "y")
-    if x.shape[1] != y.shape[1]:
-        raise ValueError(f"y: expected dim {x.shape[1]} to match x, got {y.shape[1]}")
     if k < 1:
         raise ValueError(f"k: expected >= 1, got {k}")
-    if x.shape[0] == 0 or y.shape[0] == 0:
+    x, y, segments = _segments(x, y, batch_x, batch_y, batch_size)
+    if segments is None:
         return _edges(x, y, _empty_edges(x), cosine, return_distances)
-    ptr_x, batch_y = _segments(x, y, batch_x, batch_y, batch_size)
     xs, ys = _search_space(x, cosine), _search_space(y, cosine)
-    ids = _approximate(xs, ys, ptr_x, batch_y, k) if approximate else _knn_segments(xs, ys, ptr_x, batch_y, k)[1]
-    rows = torch.arange(y.shape[0], device=y.device).unsqueeze(1).expand_as(ids)
-    found = ids >= 0
-    edge_index = torch.stack([rows[found], ids[found]])
-    return _edges(x, y, edge_index, cosine, return_distances)
+    ids = _approximate(xs, ys, *segments, k) if approximate else _knn_segments(xs, ys, *segments, k)[1]
+    return _edges(x, y, _found_edges(ids, ids >= 0), cosine, return_distances)
 
 
 def knn_graph(x: Tensor, k: int, batch: Optional[Tensor] = None, loop: bool = False,
@@ -87,20 +81,15 @@ def radius(x: Tensor, y: Tensor, r: float, batch_x: Optional[Tensor] = None, bat
            return_distances: bool = False) -> EdgeIndex:
     """For each row of ``y``, the rows of ``x`` of its example within distance ``r`` (at most
     ``max_num_neighbors``, the nearest): ``[2, E]``, row 0 indexing ``y``, row 1 ``x``."""
-    x, y = _as_points(x, "x"), _as_points(y, "y")
-    if x.shape[1] != y.shape[1]:
-        raise ValueError(f"y: expected dim {x.shape[1]} to match x, got {y.shape[1]}")
     if not r >= 0:
         raise ValueError(f"r: expected >= 0, got {r}")
     if max_num_neighbors < 1:
         raise ValueError(f"max_num_neighbors: expected >= 1, got {max_num_neighbors}")
-    if x.shape[0] == 0 or y.shape[0] == 0:
+    x, y, segments = _segments(x, y, batch_x, batch_y, batch_size)
+    if segments is None:
         return _edges(x, y, _empty_edges(x), False, return_distances)
-    ptr_x, batch_y = _segments(x, y, batch_x, batch_y, batch_size)
-    dists, ids = _knn_segments(_search_space(x, False), _search_space(y, False), ptr_x, batch_y, max_num_neighbors)
-    rows = torch.arange(y.shape[0], device=y.device).unsqueeze(1).expand_as(ids)
-    found = (ids >= 0) & (dists < r * r)
-    return _edges(x, y, torch.stack([rows[found], ids[found]]), False, return_distances)
+    dists, ids = _knn_segments(_search_space(x, False), _search_space(y, False), *segments, max_num_neighbors)
+    return _edges(x, y, _found_edges(ids, (ids >= 0) & (dists < r * r)), False, return_distances)
 
 
 def radius_graph(x: Tensor, r: float, batch: Optional[Tensor] = None, loop: bool = False,
@@ -133,12 +122,18 @@ def _empty_edges(x: Tensor) -> Tensor:
 
 
 def _segments(x: Tensor, y: Tensor, batch_x: Optional[Tensor], batch_y: Optional[Tensor],
-              batch_size: Optional[int]) -> Tuple[Tensor, Tensor]:
-    """``ptr_x`` [examples + 1] and ``batch_y`` [len(y)] for knn_segments, as torch_cluster forms them."""
+              batch_size: Optional[int]) -> Tuple[Tensor, Tensor, Optional[Tuple[Tensor, Tensor]]]:
+    """``x`` and ``y`` as [n, dim] points, and ``(ptr_x [examples + 1], batch_y [len(y)])`` for
+    knn_segments as torch_cluster forms them, or None when ``x`` or ``y`` has no rows (no edges)."""
+    x, y = _as_points(x, "x"), _as_points(y, "y")
+    if x.shape[1] != y.shape[1]:
+        raise ValueError(f"y: expected dim {x.shape[1]} to match x, got {y.shape[1]}")
     for name, batch, points in (("batch_x", batch_x, x), ("batch_y", batch_y, y)):
         if batch is not None and (batch.dim() != 1 or batch.shape[0] != points.shape[0]):
             raise ValueError(f"{name}: expected shape [{points.shape[0]}] (one example index per row), "
                              f"got {tuple(batch.shape)}")
+    if x.shape[0] == 0 or y.shape[0] == 0:
+        return x, y, None
     if batch_size is None:  # reading it costs a host synchronisation per batch vector
         batch_size = 1
         for batch in (batch_x, batch_y):
@@ -154,7 +149,7 @@ def _segments(x: Tensor, y: Tensor, batch_x: Optional[Tensor], batch_y: Optional
         ptr_x = torch.bucketize(torch.arange(batch_size + 1, device=x.device), batch_x.long())
     if batch_y is None:
         batch_y = torch.zeros(y.shape[0], dtype=torch.long, device=y.device)
-    return ptr_x, batch_y.long()
+    return x, y, (ptr_x, batch_y.long())
 
 
 def _knn_segments(xs: Tensor, ys: Tensor, ptr_x: Tensor, batch_y: Tensor, k: int) -> Tuple[Tensor, Tensor]:
@@ -186,6 +181,12 @@ def _approximate(xs: Tensor, ys: Tensor, ptr_x: Tensor, batch_y: Tensor, k: int)
         _, found = ops.search(rows, ops.build(rows), ys[queries], take, list_size=max(64, take))
         ids[queries, :take] = torch.where(found >= 0, found + start, found)
     return ids
+
+
+def _found_edges(ids: Tensor, found: Tensor) -> Tensor:
+    """[2, E]: (query, row) for every entry of ids [len(y), k] that ``found`` marks."""
+    queries = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(ids)
+    return torch.stack([queries[found], ids[found]])
 
 
 def _edges(x: Tensor, y: Tensor, edge_index: Tensor, cosine: bool, return_distances: bool) -> EdgeIndex:
