@@ -29,7 +29,7 @@ Metric parse_metric(const std::string& name);
 // the sequential RNN-Descent order that traps a parallel build, descending is the ablation.
 // Descending then random walks descending in every outer iteration but the last and randomly in
 // the last: on real sentence embeddings descending built the better graph but cost 1.35x
-// random, and in the last outer iteration it bought little (README, Measured).
+// random, and in the last outer iteration it bought little (benchmarks/README.md).
 enum class UpdateOrder { kRandom, kAscending, kDescending, kDescendingThenRandom };
 
 UpdateOrder parse_update_order(const std::string& name);

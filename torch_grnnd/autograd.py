@@ -3,13 +3,13 @@
 The ops pick neighbours (``ids``, integers, not differentiable); the distances to the picked
 rows are smooth functions of the query and the row, so a loss on retrieved distances trains
 whatever produced the queries and the data. The backward recomputes each distance's gradient
-from the gathered rows (nothing is saved from the kernels but the ids):
+from the gathered rows (nothing is saved from the kernels but the ids)::
 
     l2      d = |q - x|^2               dd/dq = 2 (q - x)              dd/dx = -2 (q - x)
     ip      d = -<q, x>                 dd/dq = -x                     dd/dx = -q
     cosine  d = 1 - <q^, x^>, c = 1 - d dd/dq = -(x^ - c q^) / |q|     dd/dx = -(q^ - c x^) / |x|
 
-with q^ = q / |q|. A zero row has no direction and gets a zero cosine gradient. Entries with
+with ``q^ = q / |q|``. A zero row has no direction and gets a zero cosine gradient. Entries with
 id -1 (fewer than k results) contribute nothing. Gradients are computed in float32 for
 float16/bfloat16 inputs (float64 stays float64) and returned in each input's dtype.
 

@@ -69,7 +69,7 @@ class BuildParams(_Settings):
         update_order: ``"random"`` (GRNND's disordered propagation), ``"ascending"`` or
             ``"descending"`` distance order, or ``"descending_then_random"`` (descending in every
             outer iteration but the last). On real sentence embeddings descending built the better
-            graph (recall@10 0.962 against 0.941 at list 64) for 1.35x random's time (README).
+            graph (recall@10 0.962 against 0.941 at list 64) for 1.35x random's time (benchmarks/README.md).
         seed: seeds every random choice; on one CPU thread the graph depends on it alone.
     """
 
