@@ -1,9 +1,9 @@
 """Thin wrappers over ``torch.ops.grnnd.*`` with their fake (meta) kernels.
 
 All logic and validation lives in the C++ kernels (csrc/); this module gives each op a
-documented Python signature and tells torch.compile the shapes of its outputs. The defaults
-here are the schema's (csrc/grnnd.cpp); a test keeps the two equal. Gradients of the returned
-distances are registered in autograd.py.
+documented Python signature and tells torch.compile the shapes of its outputs. The build and
+search settings and their defaults (the schema's, csrc/grnnd.cpp) are defined once, in
+params.py. Gradients of the returned distances are registered in autograd.py.
 """
 import logging
 from typing import Any, Optional, Tuple
