@@ -27,8 +27,7 @@ with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and not os.
 
 def torch_cxx_standard() -> str:
     """The C++ standard torch itself was compiled with, as a -std value ("c++17", "c++20"):
-    torch >= 2.13 is built as C++20, earlier wheels as C++17, and torch's build configuration
-    says which. Compiling the extension for the same standard keeps its view of torch's inline
+    torch 2.13 reports C++20 and torch 2.11 C++17 in its build configuration, which is read here. Compiling the extension for the same standard keeps its view of torch's inline
     code and types the one torch has (torch's own cpp_extension default does the same)."""
     match = re.search(r"C\+\+ Version: (\d{4})", torch.__config__.show())
     if match is None:
