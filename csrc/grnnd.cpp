@@ -26,28 +26,31 @@ extern "C" PyObject* PyInit__C(void) {
 TORCH_LIBRARY(grnnd, m) {
   // GRNND graph build (seed 000, Algorithm 3). Defaults were measured: benchmarks/tune_build.py.
   m.def(
-      "build(Tensor data, *, int degree=32, int initial_degree=16, int pool_size=48, int outer_iters=3, "
-      "int inner_iters=6, float reverse_ratio=0.6, str update_order=\"random\", str metric=\"l2\", "
-      "int seed=0) -> Tensor");
+      "build(Tensor data, *, int degree=32, int initial_degree=16, int pool_size=48, int outer_iters=8, "
+      "int inner_iters=8, float reverse_ratio=0.6, str update_order=\"random\", str metric=\"l2\", "
+      "int seed=0, float delta=0.01, str start=\"hubs\") -> Tensor");
   // Batched greedy graph search; list_size=0 means max(k, 64). No argument is keyword-only:
   // torch.library.register_autograd (torch_grnnd/autograd.py) rejects keyword-only tensors
   // such as `filter`; the Python wrapper keeps them keyword-only for callers.
   // searches=0: the backend decides how many independent searches answer each query (params.h).
   m.def(
       "search(Tensor data, Tensor graph, Tensor queries, int k, int list_size=0, int search_width=1, "
-      "int max_iters=0, str metric=\"l2\", int seed=0, Tensor? filter=None, int searches=0) -> (Tensor, Tensor)");
+      "int max_iters=0, str metric=\"l2\", int seed=0, Tensor? filter=None, int searches=0, int hub_entries=-1) "
+      "-> (Tensor, Tensor)");
   // The same search, returning how many distances each query computed (int32 [Q]) instead of
   // its results: the work behind a recall/throughput point, for benchmarks.
   m.def(
       "search_distance_counts(Tensor data, Tensor graph, Tensor queries, int k, int list_size=0, "
       "int search_width=1, int max_iters=0, str metric=\"l2\", int seed=0, Tensor? filter=None, "
-      "int searches=0) -> Tensor");
+      "int searches=0, int hub_entries=-1) -> Tensor");
   // Exact k nearest neighbours.
   m.def("knn(Tensor data, Tensor queries, int k, *, str metric=\"l2\") -> (Tensor, Tensor)");
   // Exact k nearest neighbours of each row of y among the rows of its own example of x (examples
   // back to back: example b of x is rows ptr_x[b] .. ptr_x[b + 1], row i of y is in example
   // batch_y[i]); squared l2, -1 / +inf padded where an example has fewer than k rows.
   m.def("knn_segments(Tensor x, Tensor y, Tensor ptr_x, Tensor batch_y, int k) -> (Tensor, Tensor)");
+  // The hubs of data's rows (csrc/hubs.h): int64 ids, empty for small data.
+  m.def("hub_ids(Tensor data) -> Tensor");
   // k nearest neighbours of every row of data among the other rows.
   m.def(
       "knn_graph(Tensor data, int k, *, str metric=\"l2\", bool exact=False, int list_size=0, int seed=0) "
@@ -67,13 +70,13 @@ namespace {
 
 TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
   m.impl("build", [](const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, double, c10::string_view,
-                     c10::string_view, int64_t) -> at::Tensor { no_cuda_kernel("build"); });
+                     c10::string_view, int64_t, double, c10::string_view) -> at::Tensor { no_cuda_kernel("build"); });
   m.impl("search", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
-                      c10::string_view, int64_t, const c10::optional<at::Tensor>&,
+                      c10::string_view, int64_t, const c10::optional<at::Tensor>&, int64_t,
                       int64_t) -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("search"); });
   m.impl("search_distance_counts",
          [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
-            c10::string_view, int64_t, const c10::optional<at::Tensor>&,
+            c10::string_view, int64_t, const c10::optional<at::Tensor>&, int64_t,
             int64_t) -> at::Tensor { no_cuda_kernel("search_distance_counts"); });
   m.impl("knn", [](const at::Tensor&, const at::Tensor&, int64_t, c10::string_view)
                     -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("knn"); });

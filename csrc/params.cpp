@@ -25,10 +25,15 @@ UpdateOrder parse_update_order(const std::string& name) {
                     name, "\"");
 }
 
-BuildParams make_build_params(int64_t degree, int64_t initial_degree, int64_t pool_size,
-                                     int64_t outer_iters, int64_t inner_iters, double reverse_ratio,
-                                     const std::string& update_order, const std::string& metric,
-                                     int64_t seed) {
+Start parse_start(const std::string& name) {
+  if (name == "hubs") return Start::kHubs;
+  if (name == "random") return Start::kRandom;
+  TORCH_CHECK_VALUE(false, "start: expected \"hubs\" or \"random\", got \"", name, "\"");
+}
+
+BuildParams make_build_params(int64_t degree, int64_t initial_degree, int64_t pool_size, int64_t outer_iters,
+                              int64_t inner_iters, double reverse_ratio, const std::string& update_order,
+                              const std::string& metric, int64_t seed, double delta, const std::string& start) {
   TORCH_CHECK_VALUE(degree >= 1, "degree: expected >= 1, got ", degree);
   TORCH_CHECK_VALUE(pool_size >= 2 && pool_size <= kMaxPoolSize, "pool_size: expected 2 <= R <= ",
                     kMaxPoolSize, ", got ", pool_size);
@@ -39,13 +44,22 @@ BuildParams make_build_params(int64_t degree, int64_t initial_degree, int64_t po
   TORCH_CHECK_VALUE(inner_iters >= 0, "inner_iters: expected >= 0, got ", inner_iters);
   TORCH_CHECK_VALUE(reverse_ratio >= 0.0 && reverse_ratio <= 1.0,
                     "reverse_ratio: expected 0 <= rho <= 1, got ", reverse_ratio);
-  return {static_cast<int>(degree),      static_cast<int>(initial_degree), static_cast<int>(pool_size),
-          static_cast<int>(outer_iters), static_cast<int>(inner_iters),    reverse_ratio,
-          parse_update_order(update_order), parse_metric(metric),        static_cast<uint64_t>(seed)};
+  TORCH_CHECK_VALUE(delta >= 0.0 && delta < 1.0, "delta: expected 0 <= delta < 1, got ", delta);
+  return {static_cast<int>(degree),
+          static_cast<int>(initial_degree),
+          static_cast<int>(pool_size),
+          static_cast<int>(outer_iters),
+          static_cast<int>(inner_iters),
+          reverse_ratio,
+          parse_update_order(update_order),
+          parse_metric(metric),
+          static_cast<uint64_t>(seed),
+          delta,
+          parse_start(start)};
 }
 
 SearchParams make_search_params(int64_t k, int64_t list_size, int64_t search_width, int64_t max_iters,
-                                const std::string& metric, int64_t seed, int64_t searches) {
+                                const std::string& metric, int64_t seed, int64_t searches, int64_t hub_entries) {
   TORCH_CHECK_VALUE(k >= 1, "k: expected >= 1, got ", k);
   const int64_t list = list_size > 0 ? list_size : std::max<int64_t>(k, 64);
   TORCH_CHECK_VALUE(list <= kMaxListSize, "list_size: expected <= ", kMaxListSize, ", got ", list);
@@ -56,9 +70,11 @@ SearchParams make_search_params(int64_t k, int64_t list_size, int64_t search_wid
                     kMaxSearches, ", got ", searches);
   TORCH_CHECK_VALUE(searches * k <= kMaxMergeKeys, "searches * k: expected <= ", kMaxMergeKeys,
                     " (the merged candidates of a query), got ", searches, " * ", k);
+  TORCH_CHECK_VALUE(hub_entries >= -1 && hub_entries <= kMaxListSize,
+                    "hub_entries: expected -1 (automatic) .. ", kMaxListSize, ", got ", hub_entries);
   return {static_cast<int>(k),         static_cast<int>(list), static_cast<int>(search_width),
           static_cast<int>(max_iters), parse_metric(metric),   static_cast<uint64_t>(seed),
-          static_cast<int>(searches)};
+          static_cast<int>(searches),  static_cast<int>(hub_entries)};
 }
 
 int list_per_search(int list_size, int k, int searches) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <algorithm>
 #include <string>
 
 namespace grnnd {
@@ -41,6 +42,13 @@ inline UpdateOrder order_for_iteration(UpdateOrder order, int t1, int outer_iter
   return t1 + 1 < outer_iters ? UpdateOrder::kDescending : UpdateOrder::kRandom;
 }
 
+// Where a vertex's initial neighbours come from: kHubs draws most of them from the cells of its
+// two nearest hubs (hubs.h), a start that is already local; kRandom draws them all uniformly,
+// as seed 000 does. Data too small for hubs starts randomly either way.
+enum class Start { kHubs, kRandom };
+
+Start parse_start(const std::string& name);
+
 // Largest pool a vertex may hold. The CUDA build copies a vertex's pool into its warp's share
 // of shared memory, which bounds R; the CPU kernel shares the bound so both accept the same
 // arguments.
@@ -56,11 +64,19 @@ struct BuildParams {
   UpdateOrder update_order;
   Metric metric;
   uint64_t seed;
+  // delta: a round that changes at most delta * N * pool_size pool entries has converged: it
+  // ends its outer iteration, and the build ends once an outer iteration converges in its first
+  // round. T1 and T2 are then caps. 0 runs all T1 x T2 rounds.
+  double delta;
+  Start start;
+
+  // The most pool entries a converged round may change.
+  double converged_changes(int64_t n) const { return delta * static_cast<double>(n) * pool_size; }
 };
 
 BuildParams make_build_params(int64_t degree, int64_t initial_degree, int64_t pool_size, int64_t outer_iters,
                               int64_t inner_iters, double reverse_ratio, const std::string& update_order,
-                              const std::string& metric, int64_t seed);
+                              const std::string& metric, int64_t seed, double delta, const std::string& start);
 
 // Largest k the exact knn returns (its GPU selection keeps k plus a margin in shared memory).
 constexpr int kMaxKnnK = 1024;
@@ -84,10 +100,15 @@ struct SearchParams {
   Metric metric;
   uint64_t seed;     // for the random entry points
   int searches;      // independent searches per query; 0 = the backend picks (searches_for_batch)
+  int hub_entries;   // entry points taken from the query's nearest hubs (hubs.h); the rest are random
 };
 
 SearchParams make_search_params(int64_t k, int64_t list_size, int64_t search_width, int64_t max_iters,
-                                const std::string& metric, int64_t seed, int64_t searches);
+                                const std::string& metric, int64_t seed, int64_t searches, int64_t hub_entries);
+
+// Entry points of a search with a list of `list` entries that come from hubs: hub_entries, or
+// for -1 (automatic) half the list.
+inline int hub_entries_for_list(int hub_entries, int list) { return hub_entries < 0 ? list / 2 : std::min(hub_entries, list); }
 
 // List each of `searches` searches keeps for a query whose budget is `list_size`: about
 // 2 * list_size / sqrt(searches), but at least half of list_size (a short list stops before it

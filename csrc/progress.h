@@ -1,8 +1,8 @@
-// Progress of long builds, reported to Python between outer iterations.
+// Progress of long builds, reported to Python after every update round.
 //
 // Python installs a callback for the calling thread (torch_grnnd/progress.py, through
 // torch_grnnd._C._set_progress_callback); the build kernels call report_progress after each
-// outer iteration. Without a callback both functions cost one thread-local read, so the kernels
+// update round. Without a callback both functions cost one thread-local read, so the kernels
 // call them unconditionally. This header has no Python types: the CUDA sources include it.
 #pragma once
 
@@ -14,10 +14,12 @@ namespace grnnd {
 // for the stream synchronisation that makes a report true.
 bool progress_requested();
 
-// Calls the callback with (done, total), taking the GIL for the call (ops run without it).
+// Calls the callback with (done, total, changes): rounds done, the most the build may run (less
+// once it has converged: the last report has done == total), and the pool entries the last
+// round changed. Takes the GIL for the call (ops run without it).
 // An exception raised by the callback stops the build: it is rethrown as a c10::Error, and
 // the Python side re-raises the original exception (so Ctrl-C during a build cancels it).
-void report_progress(int64_t done, int64_t total);
+void report_progress(int64_t done, int64_t total, int64_t changes);
 
 }  // namespace grnnd
 

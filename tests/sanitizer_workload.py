@@ -27,6 +27,7 @@ def main():
         data = torch.randn(3000, 24, generator=g, device="cuda").to(dtype)
         grnnd.knn(data, data[:40], k, metric=metric)
     edge_sizes(g)
+    hubs_and_repair(g)
     torch.cuda.synchronize()
     print("sanitizer workload done")
 
@@ -50,6 +51,19 @@ def edge_sizes(g: torch.Generator):
                 grnnd.knn_graph(data, min(n - 1, 5))
                 grnnd.knn_graph(data, min(n - 1, 5), exact=True)
 
+
+def hubs_and_repair(g: torch.Generator):
+    """Data large enough for hubs (the start from cells, hub entry points, split searches taking
+    their share of the hubs) and far islands that the reachability repair must link in."""
+    cloud = torch.randn(20_000, 16, generator=g, device="cuda")
+    far = (torch.randn(10, 16, generator=g, device="cuda") * 8).repeat_interleave(4, 0)
+    for dtype, metric in [(torch.float16, "l2"), (torch.float32, "ip")]:
+        data = torch.cat([cloud, far + 0.1 * torch.randn_like(far)]).to(dtype)
+        graph = grnnd.build(data, metric=metric, degree=16, pool_size=32, initial_degree=8, outer_iters=2,
+                            inner_iters=2)
+        grnnd.search(data, graph, data[-40:], 10, list_size=64, metric=metric)
+        grnnd.search(data, graph, data[:3], 10, list_size=64, searches=8, metric=metric)
+        grnnd.search_distance_counts(data, graph, data[:20], 10, hub_entries=8, metric=metric)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Build progress: one report per outer iteration, through a callback, tqdm or logging."""
+"""Build progress: one report per update round, through a callback, tqdm or logging."""
 import dataclasses
 import logging
 import sys
@@ -12,26 +12,45 @@ from conftest import clustered
 
 DATA = clustered(800, 8, 5, seed=30)
 SMALL = dict(degree=8, pool_size=16, initial_degree=8)
+# A fixed schedule of 2 x 2 rounds: every round runs and reports.
+FIXED = dict(SMALL, outer_iters=2, inner_iters=2, delta=0)
 
 
-def test_callback_gets_each_outer_iteration():
+def test_callback_gets_each_round():
     calls = []
-    grnnd.build(DATA, outer_iters=4, progress=lambda done, total: calls.append((done, total)), **SMALL)
+    grnnd.build(DATA, progress=lambda done, total: calls.append((done, total)), **FIXED)
     assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]
-    grnnd.build(DATA, **SMALL)  # the hook is removed after the build
+    grnnd.build(DATA, **FIXED)  # the hook is removed after the build
     assert len(calls) == 4
+
+
+def test_reports_show_convergence_and_end_with_done_equal_to_total():
+    calls = []
+    grnnd.build(DATA, outer_iters=10, inner_iters=10, delta=0.01,
+                progress=lambda done, total, changes: calls.append((done, total, changes)), **SMALL)
+    done = [d for d, _, _ in calls]
+    assert done == sorted(done) and done[0] == 1
+    # Converged long before the cap of 100 rounds: the last report says so.
+    assert calls[-1][0] == calls[-1][1] < 100 and all(t == 100 for _, t, _ in calls[:-1])
+    changes = [c for _, _, c in calls]
+    assert changes[0] > 10 * changes[-2] and min(changes) >= 0
+    # Without convergence, every round of the cap runs.
+    calls.clear()
+    grnnd.build(DATA, outer_iters=3, inner_iters=4, delta=0,
+                progress=lambda done, total, changes: calls.append((done, total)), **SMALL)
+    assert calls == [(d, 12) for d in range(1, 13)]
 
 
 def test_index_and_knn_graph_report_but_do_not_keep_progress():
     calls = []
-    index = grnnd.Index.build(DATA, progress=lambda d, t: calls.append(d), **SMALL)
-    assert calls == [1, 2, 3] and "progress" not in dataclasses.asdict(index.build_params)
+    index = grnnd.Index.build(DATA, progress=lambda d, t: calls.append(d), **FIXED)
+    assert calls == [1, 2, 3, 4] and "progress" not in dataclasses.asdict(index.build_params)
     calls.clear()
     grnnd.knn_graph(DATA, 5, torch.tensor([0] * 300 + [1] * 500), progress=lambda d, t: calls.append(d))
-    assert calls == [1, 2, 3, 1, 2, 3]  # one build per example
+    assert calls[0] == 1 and calls.count(1) == 2  # one build per example
 
 
-def cancel(done, total):
+def cancel(done, total, changes=0):
     raise KeyboardInterrupt
 
 
@@ -51,16 +70,16 @@ def test_logging_when_tqdm_is_missing(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `import tqdm...` raise ImportError
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
     with caplog.at_level(logging.DEBUG, logger="torch_grnnd"):
-        grnnd.build(DATA, outer_iters=2, progress=True, **SMALL)
+        grnnd.build(DATA, progress=True, **FIXED)
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("torch_grnnd")]
     assert messages[0].startswith("build: (800, 8) torch.float32 on cpu, metric=l2")
-    assert [m.split(" done")[0] for m in messages[1:]] == ["build: outer iteration 1 of 2",
-                                                           "build: outer iteration 2 of 2"]
+    assert [m.split(" done")[0] for m in messages[1:]] == [f"build: round {d} of at most 4" for d in range(1, 5)]
+    assert all("pool entries changed" in m for m in messages[1:])
 
 
 def test_tqdm_bar(capsys):
     pytest.importorskip("tqdm")
-    grnnd.build(DATA, outer_iters=2, progress=True, **SMALL)
+    grnnd.build(DATA, progress=True, **FIXED)
     assert "torch_grnnd build" in capsys.readouterr().err
 
 
@@ -69,14 +88,14 @@ def test_callbacks_are_per_thread():
 
     def build(name):
         seen[name] = []
-        grnnd.build(DATA, outer_iters=2, progress=lambda d, t: seen[name].append(d), **SMALL)
+        grnnd.build(DATA, progress=lambda d, t: seen[name].append(d), **FIXED)
 
     threads = [threading.Thread(target=build, args=(name,)) for name in "ab"]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert seen == {"a": [1, 2], "b": [1, 2]}
+    assert seen == {"a": [1, 2, 3, 4], "b": [1, 2, 3, 4]}
 
 
 def test_progress_is_ignored_inside_compiled_code():
@@ -94,7 +113,10 @@ def test_progress_is_ignored_inside_compiled_code():
 def test_cuda_build_reports_finished_iterations():
     data = DATA.cuda()
     calls = []
-    graph = grnnd.build(data, outer_iters=3, progress=lambda d, t: calls.append((d, t)))
+    graph = grnnd.build(data, outer_iters=3, inner_iters=1, delta=0, progress=lambda d, t: calls.append((d, t)))
     assert calls == [(1, 3), (2, 3), (3, 3)] and graph.is_cuda
+    calls.clear()
+    grnnd.build(data, outer_iters=10, inner_iters=10, delta=0.01, progress=lambda d, t: calls.append((d, t)))
+    assert calls[-1][0] == calls[-1][1] < 100
     with pytest.raises(KeyboardInterrupt):
         grnnd.build(data, progress=cancel)

@@ -23,19 +23,21 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
           **settings: Any) -> Tensor:
     """Build a GRNND graph (GPU-parallel Relative NN-Descent) over the rows of ``data``.
 
-    Starting from ``S`` random neighbours per vertex, ``T1`` outer iterations each run ``T2``
-    rounds in which every vertex applies the relative-neighbourhood rule to its pool in random
-    order (of two neighbours closer to each other than the farther is to the vertex, the
-    farther is handed to the closer), then give a reverse edge to the closest ``rho`` share
-    of each pool.
+    Starting from ``S`` neighbours per vertex (most from the cells of its nearest hubs), outer
+    iterations each run up to ``T2`` rounds in which every vertex applies the
+    relative-neighbourhood rule to its pool in random order (of two neighbours closer to each
+    other than the farther is to the vertex, the farther is handed to the closer), then give a
+    reverse edge to the closest ``rho`` share of each pool. Rounds stop when they change little
+    (``delta``), at most ``T1`` outer iterations.
 
     Args:
         data: [N, D] float32/float16/bfloat16 (float64 accepted), CPU or CUDA.
         params: the build settings, :class:`~torch_grnnd.BuildParams` (defaults when omitted).
         metric: ``"l2"``, ``"ip"`` or ``"cosine"``.
-        progress: report each outer iteration: ``True`` for a tqdm bar (or log records), or a
-            callable ``progress(done, total)``; see :mod:`torch_grnnd.progress`. Ignored inside
-            ``torch.compile``; on CUDA each report costs a stream synchronisation.
+        progress: report each round: ``True`` for a tqdm bar (or log records), or a callable
+            ``progress(done, total)`` or ``progress(done, total, changes)``; see
+            :mod:`torch_grnnd.progress`. Ignored inside ``torch.compile``; on CUDA each report
+            costs a stream synchronisation.
         **settings: any field of :class:`~torch_grnnd.BuildParams` (``degree=16``, ...),
             overriding ``params``.
 
@@ -55,7 +57,7 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
         return torch.ops.grnnd.build.default(
             data, degree=p.degree, initial_degree=p.initial_degree, pool_size=p.pool_size,
             outer_iters=p.outer_iters, inner_iters=p.inner_iters, reverse_ratio=p.reverse_ratio,
-            update_order=p.update_order, metric=metric, seed=p.seed)
+            update_order=p.update_order, metric=metric, seed=p.seed, delta=p.delta, start=p.start)
 
     if not torch.compiler.is_compiling():  # a compiled graph cannot hold a host-side log call
         logger.debug("build: %s %s on %s, metric=%s, %s", tuple(data.shape), data.dtype, data.device, metric, p)
@@ -65,7 +67,7 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
 def _search_arguments(params: Optional[SearchParams], k: Optional[int], settings: dict) -> tuple:
     p = SearchParams.merge(params, k=k, **settings)
     return p.k, dict(list_size=p.list_size, search_width=p.search_width, max_iters=p.max_iters, seed=p.seed,
-                     filter=p.filter, searches=p.searches)
+                     filter=p.filter, searches=p.searches, hub_entries=p.hub_entries)
 
 
 def search(data: Tensor, graph: Tensor, queries: Tensor, k: Optional[int] = None, *,
@@ -153,6 +155,11 @@ def _search_fake(data, graph, queries, k, *_, **__):
 def _search_distance_counts_fake(data, graph, queries, k, *_, **__):
     _query_outputs(data, queries, k, graph)
     return queries.new_empty((queries.shape[0],), dtype=torch.int32)
+
+
+@torch.library.register_fake("grnnd::hub_ids")
+def _hub_ids_fake(data):
+    return data.new_empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.int64)
 
 
 @torch.library.register_fake("grnnd::knn")

@@ -71,6 +71,13 @@ class BuildParams(_Settings):
             outer iteration but the last). On real sentence embeddings descending built the better
             graph (recall@10 0.962 against 0.941 at list 64) for 1.35x random's time (benchmarks/README.md).
         seed: seeds every random choice; on one CPU thread the graph depends on it alone.
+        delta: [delta] convergence: a round that changes at most ``delta * N * pool_size`` pool
+            entries ends its outer iteration, and an outer iteration that converges in its first
+            round ends the build, so ``outer_iters`` and ``inner_iters`` are caps. 0 runs every
+            round (seed 000's fixed schedule).
+        start: ``"hubs"``: most initial neighbours come from the cells of each row's two nearest
+            hubs (a sample of one row in 1000, found by matrix products), a start that is already
+            local; ``"random"``: all uniform (seed 000). Below 16 000 rows both are uniform.
     """
 
     degree: int = _default(_build, "degree")
@@ -81,6 +88,8 @@ class BuildParams(_Settings):
     reverse_ratio: float = _default(_build, "reverse_ratio")
     update_order: str = _default(_build, "update_order")
     seed: int = _default(_build, "seed")
+    delta: float = _default(_build, "delta")
+    start: str = _default(_build, "start")
 
 
 @dataclass(frozen=True, eq=False)  # a filter tensor has no truth value to compare by
@@ -105,6 +114,9 @@ class SearchParams(_Settings):
         searches: independent searches per query; 0 lets the backend choose; at most 32, and
             ``searches * k <= 4096``.
         seed: seeds the random entry points.
+        hub_entries: entry points taken from the hubs nearest to the query (one data row in 1000,
+            ranked by a matrix product) before the random ones; -1 means half the list, 0 only
+            random entry points. Data under 16 000 rows has no hubs.
         filter: optional bool [N] over the data rows; rows marked False are traversed but never
             returned.
     """
@@ -115,4 +127,5 @@ class SearchParams(_Settings):
     max_iters: int = _default(_search, "max_iters")
     searches: int = _default(_search, "searches")
     seed: int = _default(_search, "seed")
+    hub_entries: int = _default(_search, "hub_entries")
     filter: Optional[Tensor] = None

@@ -1,26 +1,31 @@
 """Progress of long builds: a tqdm bar, log lines, or a callback of your own.
 
-The build kernels report after each outer iteration (``T1`` reports per build) through a hook in
-the extension (csrc/progress.h). ``progress`` arguments accept:
+The build kernels report after each update round through a hook in the extension
+(csrc/progress.h), with how many pool entries the round changed: the build stops once that
+falls below ``delta * N * pool_size`` (:class:`~torch_grnnd.BuildParams`), so the reports show
+it converging. ``progress`` arguments accept:
 
 - ``False`` (default): no reports, and no cost.
-- ``True``: a tqdm bar when tqdm is installed, else one ``INFO`` record per outer iteration on
-  the ``"torch_grnnd"`` logger (``logging.basicConfig(level=logging.INFO)`` shows them).
-- a callable ``progress(done, total)``: called with the outer iterations done and their total.
-  Raising from it stops the build and the exception propagates.
+- ``True``: a tqdm bar when tqdm is installed, else one ``INFO`` record per round on the
+  ``"torch_grnnd"`` logger (``logging.basicConfig(level=logging.INFO)`` shows them).
+- a callable ``progress(done, total)`` or ``progress(done, total, changes)``: the rounds done,
+  the most the build may run (``outer_iters * inner_iters``; equal to ``done`` in the last report
+  of a build that converged early) and the pool entries the round changed. Raising from it
+  stops the build and the exception propagates.
 
-On CUDA a report waits for the iteration to finish (one stream synchronisation per outer
-iteration); inside ``torch.compile`` progress is ignored, so compiled code never syncs for it.
+On CUDA a report waits for the round to finish (one stream synchronisation); inside
+``torch.compile`` progress is ignored, so compiled code never syncs for it.
 
 Example:
     >>> import torch, torch_grnnd as grnnd
     >>> seen = []
-    >>> graph = grnnd.build(torch.randn(500, 8), outer_iters=2,
+    >>> graph = grnnd.build(torch.randn(500, 8), outer_iters=2, inner_iters=2, delta=0,
     ...                     progress=lambda done, total: seen.append((done, total)))
     >>> seen
-    [(1, 2), (2, 2)]
+    [(1, 4), (2, 4), (3, 4), (4, 4)]
 """
 import contextlib
+import inspect
 import logging
 import time
 from typing import Callable, Iterator, TypeVar, Union
@@ -31,7 +36,7 @@ from . import _C
 
 logger = logging.getLogger(__name__)  # under "torch_grnnd"
 
-Progress = Union[bool, Callable[[int, int], None]]
+Progress = Union[bool, Callable[..., None]]
 T = TypeVar("T")
 
 
@@ -51,19 +56,29 @@ def _default_reporter(what: str):
     except ImportError:
         start = time.perf_counter()
 
-        def log(done: int, total: int) -> None:
-            logger.info("%s: outer iteration %d of %d done after %.2f s", what, done, total,
-                        time.perf_counter() - start)
+        def log(done: int, total: int, changes: int) -> None:
+            logger.info("%s: round %d of at most %d done after %.2f s, %d pool entries changed", what, done, total,
+                        time.perf_counter() - start, changes)
 
         return log, lambda: None
 
-    bar = tqdm(desc=f"torch_grnnd {what}", unit="iter", leave=False)
+    bar = tqdm(desc=f"torch_grnnd {what}", unit="round", leave=False)
 
-    def update(done: int, total: int) -> None:
-        bar.total = total  # known from the first report on
+    def update(done: int, total: int, changes: int) -> None:
+        bar.total = total  # known from the first report on; shrinks when the build converges
+        bar.set_postfix(changed=changes, refresh=False)
         bar.update(done - bar.n)
 
     return update, bar.close
+
+
+def _takes_changes(fn: Callable[..., None]) -> bool:
+    """Whether a user's callback takes the third argument, ``changes``."""
+    try:
+        inspect.signature(fn).bind(0, 0, 0)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 @contextlib.contextmanager
@@ -72,12 +87,17 @@ def reporting(progress: Progress, what: str = "build") -> Iterator[None]:
     if not progress:
         yield
         return
-    report, close = (progress, lambda: None) if callable(progress) else _default_reporter(what)
+    if callable(progress):
+        user = progress
+        report = user if _takes_changes(user) else (lambda done, total, _changes: user(done, total))
+        close = lambda: None  # noqa: E731
+    else:
+        report, close = _default_reporter(what)
     raised = []
 
-    def callback(done: int, total: int) -> None:
+    def callback(done: int, total: int, changes: int) -> None:
         try:
-            report(done, total)
+            report(done, total, changes)
         except BaseException as error:
             raised.append(error)  # re-raised below, in place of the kernel's RuntimeError
             raise

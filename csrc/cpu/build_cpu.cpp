@@ -11,9 +11,11 @@
 
 #include <torch/library.h>
 
+#include "../build_schedule.h"
 #include "../checks.h"
+#include "../hubs.h"
 #include "../philox.h"
-#include "../progress.h"
+#include "../reachability.h"
 #include "vectors_cpu.h"
 
 namespace grnnd {
@@ -55,14 +57,14 @@ class Pools {
 
   // Algorithm 6 (WARP_INSERT): skip if present, append if room, else replace the farthest
   // entry when the newcomer is closer. Other threads insert into the same pool concurrently,
-  // so the pool of `v` is locked for the duration.
-  void insert(int buf, int64_t v, int32_t id, float dist, bool is_new) {
+  // so the pool of `v` is locked for the duration. Returns whether the pool changed.
+  bool insert(int buf, int64_t v, int32_t id, float dist, bool is_new) {
     while (locks_[v].exchange(1, std::memory_order_acquire)) {
     }
     uint32_t* slot = slots_[buf].data() + v * capacity_;
     float* dist_of = dists_[buf].data() + v * capacity_;
     int& count = counts_[buf][v];
-    bool present = false;
+    bool present = false, changed = false;
     for (int i = 0; i < count && !present; ++i) present = slot_id(slot[i]) == id;
     if (!present) {
       const uint32_t packed = static_cast<uint32_t>(id) | (is_new ? kNewBit : 0u);
@@ -70,15 +72,18 @@ class Pools {
         slot[count] = packed;
         dist_of[count] = dist;
         ++count;
+        changed = true;
       } else {
         const int far = static_cast<int>(std::max_element(dist_of, dist_of + capacity_) - dist_of);
         if (dist < dist_of[far]) {
           slot[far] = packed;
           dist_of[far] = dist;
+          changed = true;
         }
       }
     }
     locks_[v].store(0, std::memory_order_release);
+    return changed;
   }
 
  private:
@@ -91,12 +96,13 @@ class Pools {
 };
 
 // Line 4 of Algorithm 3: S random distinct neighbours (self and repeats are dropped, so a
-// vertex may start with slightly fewer).
-void initialise(const VectorSet& vectors, int64_t n, const BuildParams& p, Pools& pools) {
+// vertex may start with slightly fewer), drawn where start_cell (params.h, hubs.h) says.
+void initialise(const VectorSet& vectors, int64_t n, const BuildParams& p, const Cells& cells, Pools& pools) {
+  const CellView view = cell_view(cells);
   parallel_dynamic(n, 256, [&](int64_t v) {
     for (int s = 0; s < p.initial_degree; ++s) {
       const uint32_t r = random_u32(p.seed, Stream::kInitialNeighbours, static_cast<uint32_t>(v), 0, s);
-      const int64_t u = random_below(r, static_cast<uint32_t>(n));
+      const int64_t u = initial_neighbour(view, v, s, p.initial_degree, r, n);
       if (u != v) pools.insert(0, v, static_cast<int32_t>(u), vectors(v, u), true);
     }
   });
@@ -131,15 +137,17 @@ void visit_order(const Pools& pools, int buf, int64_t v, uint32_t round, const B
 // entries kept so far with the relative-neighbourhood rule (eq. 2): when two neighbours are
 // closer to each other than the farther one is to v, the farther one is handed to the closer
 // one's next pool and dropped from v's. What survives goes to v's next pool as old entries.
-void update_vertex(const VectorSet& vectors, Pools& pools, int read, int64_t v, uint32_t round,
-                   const BuildParams& p, std::vector<int>& order, std::vector<uint32_t>& keys,
-                   std::vector<int>& kept) {
+// Returns how many of the handed-over entries changed a pool (the convergence measure).
+int update_vertex(const VectorSet& vectors, Pools& pools, int read, int64_t v, uint32_t round,
+                  const BuildParams& p, std::vector<int>& order, std::vector<uint32_t>& keys,
+                  std::vector<int>& kept) {
   const int write = read ^ 1;
   const uint32_t* slot = pools.slots(read, v);
   const float* dist = pools.dists(read, v);
   visit_order(pools, read, v, round, p, order, keys);
   for (int i = 0; i < pools.count(read, v); ++i) vectors.prefetch(slot_id(slot[i]));
   kept.clear();
+  int changes = 0;
   for (const int i : order) {
     const int32_t a = slot_id(slot[i]);
     bool keep = true;
@@ -153,11 +161,11 @@ void update_vertex(const VectorSet& vectors, Pools& pools, int read, int64_t v, 
       const float d_ab = vectors(a, b);
       if (d_ab < std::max(dist[i], dist[b_index])) {
         if (dist[i] >= dist[b_index]) {  // a is the farther one: it moves to b
-          pools.insert(write, b, a, d_ab, true);
+          changes += pools.insert(write, b, a, d_ab, true);
           keep = false;
           break;
         }
-        pools.insert(write, a, b, d_ab, true);  // b is the farther one: it moves to a
+        changes += pools.insert(write, a, b, d_ab, true);  // b is the farther one: it moves to a
         kept.erase(kept.begin() + j);
         continue;
       }
@@ -166,6 +174,7 @@ void update_vertex(const VectorSet& vectors, Pools& pools, int read, int64_t v, 
     if (keep) kept.push_back(i);
   }
   for (const int i : kept) pools.insert(write, v, slot_id(slot[i]), dist[i], false);
+  return changes;
 }
 
 // Section 3.6: v offers itself as a new neighbour to its ceil(rho * |N_v|) closest neighbours.
@@ -191,10 +200,11 @@ void sample_reverse_edges(int64_t n, Pools& pools, int read, const BuildParams& 
 
 at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_degree, int64_t pool_size,
                      int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
-                     c10::string_view metric, int64_t seed) {
+                     c10::string_view metric, int64_t seed, double delta, c10::string_view start) {
   check_build_inputs(data);
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
-                                          std::string(update_order), std::string(metric), seed);
+                                          std::string(update_order), std::string(metric), seed, delta,
+                                          std::string(start));
   const int64_t n = data.size(0);
   const at::Tensor x = prepare_vectors(data, p.metric);
   VectorSet vectors{x.data_ptr<float>(), x.size(1), p.metric};
@@ -206,32 +216,28 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
   }
 
   Pools pools(n, p.pool_size);
-  initialise(vectors, n, p, pools);
+  initialise(vectors, n, p, p.start == Start::kHubs ? partition_cells(x, lift) : Cells{}, pools);
   int read = 0;
-  uint32_t round = 0;
-  for (int t1 = 0; t1 < p.outer_iters; ++t1) {
-    BuildParams iteration = p;
-    iteration.update_order = order_for_iteration(p.update_order, t1, p.outer_iters);
-    for (int t2 = 0; t2 < p.inner_iters; ++t2) {
-      ++round;
-      pools.clear(read ^ 1);
-      parallel_dynamic(n, 64, [&](int64_t v) {
-        thread_local std::vector<int> order, kept;
-        thread_local std::vector<uint32_t> keys;
-        update_vertex(vectors, pools, read, v, round, iteration, order, keys, kept);
+  run_schedule(
+      p, n,
+      [&](UpdateOrder order, uint32_t round, bool /*count: free here*/) {
+        BuildParams iteration = p;
+        iteration.update_order = order;
+        pools.clear(read ^ 1);
+        std::atomic<int64_t> changes{0};
+        parallel_dynamic(n, 64, [&](int64_t v) {
+          thread_local std::vector<int> order_of, kept;
+          thread_local std::vector<uint32_t> keys;
+          const int changed = update_vertex(vectors, pools, read, v, round, iteration, order_of, keys, kept);
+          if (changed > 0) changes.fetch_add(changed, std::memory_order_relaxed);
+        });
+        read ^= 1;
+        return changes.load();
+      },
+      [&] {
+        sample_reverse_edges(n, pools, read, p);
+        read ^= 1;
       });
-      read ^= 1;
-    }
-    // Unlike Algorithm 3 (line 12), the last outer iteration samples reverse edges too: the
-    // returned rows then also hold incoming RNG edges, which makes the sparse pruned graph
-    // easier to navigate at no distance cost (recall@10 at list 64 on 5000 x 32 clusters:
-    // 0.947 -> 0.962).
-    if (p.reverse_ratio > 0) {
-      sample_reverse_edges(n, pools, read, p);
-      read ^= 1;
-    }
-    report_progress(t1 + 1, p.outer_iters);
-  }
 
   // Each row: the pool sorted by distance, cut to `degree`, -1 padded.
   at::Tensor graph = at::full({n, p.degree}, -1, data.options().dtype(at::kInt).device(at::kCPU));
@@ -251,6 +257,7 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
       for (int j = 0; j < kept; ++j) out[v * p.degree + j] = slot_id(slot[order[j]]);
     }
   });
+  connect_unreachable(graph, data, metric, x, lift);
   return graph;
 }
 

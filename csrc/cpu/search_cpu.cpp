@@ -2,9 +2,9 @@
 //
 // The fixed-size-list greedy search of CAGRA (seed 002): keep the best `list_size` nodes seen,
 // each iteration expand the `search_width` best not yet expanded, stop when none is left or
-// after `max_iters` iterations. Entry points are random (seeded per query), so disconnected
-// parts of a graph are still reachable. A query answered by several searches (params.h) runs
-// them one after another and merges their results.
+// after `max_iters` iterations. Entry points are the query's nearest hubs (hubs.h) and random
+// rows (seeded per query), so disconnected parts of a graph are still reachable. A query
+// answered by several searches (params.h) runs them one after another and merges their results.
 #include <algorithm>
 #include <limits>
 #include <vector>
@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "../checks.h"
+#include "../hubs.h"
 #include "../philox.h"
 #include "vectors_cpu.h"
 
@@ -75,12 +76,13 @@ class Searcher {
  public:
   Searcher(int64_t n, int list_size, int k) : visited_(n), list_(list_size), results_(k) {}
 
-  // Search number `search` of query `qi`: entry points drawn from counter (qi, search, e), as the
-  // GPU draws them. Returns its best nodes ascending (the allowed ones when `allowed` is set) and
-  // adds the distances it computed to `evaluated`.
+  // Search number `search` of query `qi`: entry points are its share of the query's nearest hubs
+  // (HubEntries), then draws from counter (qi, search, e), as on the GPU. Returns its best nodes
+  // ascending (the allowed ones when `allowed` is set) and adds the distances it computed to
+  // `evaluated`.
   const std::vector<Candidate>& run(const VectorSet& vectors, const float* query, const int32_t* adjacency,
                                     int64_t degree, const bool* allowed, const SearchParams& p, int64_t n,
-                                    uint32_t qi, uint32_t search, int64_t& evaluated) {
+                                    const HubEntries& hubs, uint32_t qi, uint32_t search, int64_t& evaluated) {
     visited_.next_query();
     list_.clear();
     results_.clear();
@@ -98,7 +100,9 @@ class Searcher {
     const int entries = static_cast<int>(std::min<int64_t>(list_.capacity(), n));
     for (int e = 0; e < entries; ++e) {
       const uint32_t r = random_u32(p.seed, Stream::kEntryPoints, qi, search, static_cast<uint32_t>(e));
-      const int32_t id = static_cast<int32_t>(random_below(r, static_cast<uint32_t>(n)));
+      const int hub = hubs.column(e, static_cast<int>(search));
+      const int32_t id = hub >= 0 ? hubs.ids[static_cast<int64_t>(qi) * hubs.columns + hub]
+                                  : static_cast<int32_t>(random_below(r, static_cast<uint32_t>(n)));
       if (!visited_.test_and_set(id)) {
         vectors.prefetch(id);
         fresh_.push_back(id);
@@ -154,6 +158,10 @@ void run_search(const at::Tensor& data, const at::Tensor& graph, const at::Tenso
   // One core already runs one query at full speed, so the CPU splits a query only when asked.
   const int searches = std::max(p.searches, 1);
   const int list = list_per_search(p.list_size, p.k, searches);
+  // The rows are unit length under cosine here (prepare_vectors).
+  const int per_search = hub_entries_for_list(p.hub_entries, static_cast<int>(std::min<int64_t>(list, n)));
+  const at::Tensor hub_table = hub_entries(x, q, p.metric, /*x_normalised=*/true, per_search * searches);
+  const HubEntries hubs = hub_entries_view(hub_table, per_search, searches);
 
   at::parallel_for(0, nq, 16, [&](int64_t begin, int64_t end) {
     Searcher searcher(n, list, p.k);
@@ -164,11 +172,13 @@ void run_search(const at::Tensor& data, const at::Tensor& graph, const at::Tenso
       merged.clear();
       for (int s = 0; s < searches; ++s) {
         const std::vector<Candidate>& best =
-            searcher.run(vectors, query, adjacency, degree, allowed, p, n, static_cast<uint32_t>(qi),
-                         static_cast<uint32_t>(s), evaluated);
+            searcher.run(vectors, query, adjacency, degree, allowed, p, n,
+                         hubs, static_cast<uint32_t>(qi), static_cast<uint32_t>(s), evaluated);
         merged.insert(merged.end(), best.begin(), best.begin() + std::min<size_t>(p.k, best.size()));
       }
       if (counts != nullptr) {
+        // The hub distances of the entry points count too (one matrix product row per query).
+        if (hubs.columns > 0) evaluated += hub_count(n);
         counts[qi] = static_cast<int32_t>(std::min<int64_t>(evaluated, std::numeric_limits<int32_t>::max()));
         continue;
       }
@@ -190,10 +200,10 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const at::Tensor& data, const at::
                                               const at::Tensor& queries, int64_t k, int64_t list_size,
                                               int64_t search_width, int64_t max_iters, c10::string_view metric,
                                               int64_t seed, const c10::optional<at::Tensor>& filter,
-                                              int64_t searches) {
+                                              int64_t searches, int64_t hub_entries) {
   check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
-      make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
+      make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches, hub_entries);
   check_search_contents(data, graph, queries);
   at::Tensor out_dists =
       at::full({queries.size(0), p.k}, std::numeric_limits<float>::infinity(), queries.options().dtype(at::kFloat));
@@ -205,10 +215,11 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const at::Tensor& data, const at::
 at::Tensor search_distance_counts_cpu(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries,
                                       int64_t k, int64_t list_size, int64_t search_width, int64_t max_iters,
                                       c10::string_view metric, int64_t seed,
-                                      const c10::optional<at::Tensor>& filter, int64_t searches) {
+                                      const c10::optional<at::Tensor>& filter, int64_t searches,
+                                      int64_t hub_entries) {
   check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
-      make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
+      make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches, hub_entries);
   check_search_contents(data, graph, queries);
   at::Tensor counts = at::zeros({queries.size(0)}, queries.options().dtype(at::kInt));
   run_search(data, graph, queries, filter, p, nullptr, nullptr, counts.data_ptr<int32_t>());

@@ -19,9 +19,11 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/library.h>
 
+#include "../build_schedule.h"
 #include "../checks.h"
+#include "../hubs.h"
 #include "../philox.h"
-#include "../progress.h"
+#include "../reachability.h"
 #include "vectors_cuda.cuh"
 #include "warp_cuda.cuh"
 
@@ -89,23 +91,27 @@ struct DevicePools {
 
   // Calls insert_all(insert) under v's lock in buffer `buf`, where insert(slot, dist) is
   // Algorithm 6 into v's pool; the pool's count is read once and stored once. Other warps insert
-  // into the same pool concurrently, hence the lock.
+  // into the same pool concurrently, hence the lock. Returns how many inserts changed the pool.
   template <typename InsertAll>
-  __device__ void locked_inserts(int buf, int64_t v, int lane, InsertAll&& insert_all) const {
+  __device__ int locked_inserts(int buf, int64_t v, int lane, InsertAll&& insert_all) const {
     warp_lock(locks + v, lane);
     int* count_ptr = count_of(buf, v);
     const int before = __ldcg(count_ptr);
-    int count = before;
+    int count = before, changes = 0;
     insert_all([&](uint32_t slot, float dist) {
-      count = warp_insert_locked(slots_of(buf, v), dists_of(buf, v), count, capacity, kIdMask, slot, dist, lane);
+      bool changed;
+      count = warp_insert_locked(slots_of(buf, v), dists_of(buf, v), count, capacity, kIdMask, slot, dist, lane,
+                                 changed);
+      changes += changed;
     });
     if (lane == 0 && count != before) *count_ptr = count;
     warp_unlock(locks + v, lane);
+    return changes;
   }
 
-  // One insert, the lock held for it only.
-  __device__ void insert(int buf, int64_t v, int32_t id, float dist, bool is_new, int lane) const {
-    locked_inserts(buf, v, lane, [&](auto&& insert) { insert(pack_slot(id, is_new), dist); });
+  // One insert, the lock held for it only; whether it changed the pool.
+  __device__ bool insert(int buf, int64_t v, int32_t id, float dist, bool is_new, int lane) const {
+    return locked_inserts(buf, v, lane, [&](auto&& insert) { insert(pack_slot(id, is_new), dist); }) > 0;
   }
 };
 
@@ -116,6 +122,8 @@ struct BuildArgs {
   const float* lift;  // inner product only: the extra coordinate of each row (params.h), else null
   UpdateOrder update_order;
   uint64_t seed;
+  CellView cells;  // where initial neighbours are drawn (hubs.h); empty: uniformly
+  int* changes;    // [n]: the pool entries each vertex's redirects changed in the last round
 };
 
 // d(a, b) between two rows as the CPU's VectorSet computes it (up to the rounding of
@@ -189,8 +197,8 @@ __device__ __forceinline__ int64_t warp_vertex() {
   return static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
 }
 
-// Line 4 of Algorithm 3: S random distinct neighbours, the CPU's draws (self and repeats are
-// dropped in draw order, so the pool matches the CPU's slot for slot).
+// Line 4 of Algorithm 3: S distinct neighbours, the CPU's draws (initial_neighbour; self and
+// repeats are dropped in draw order, so the pool matches the CPU's slot for slot).
 template <typename T, int TEAM>
 __global__ void __launch_bounds__(kBlockThreads)
     initialise_kernel(const T* __restrict__ x, DevicePools pools, BuildArgs args, int initial_degree) {
@@ -201,7 +209,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   const WarpScratch s = warp_scratch(pools.capacity);
   for (int t = lane; t < initial_degree; t += kWarpSize) {
     const uint32_t r = random_u32(args.seed, Stream::kInitialNeighbours, static_cast<uint32_t>(v), 0, t);
-    s.key[t] = random_below(r, static_cast<uint32_t>(args.n));
+    s.key[t] = static_cast<uint32_t>(initial_neighbour(args.cells, v, t, initial_degree, r, args.n));
   }
   __syncwarp();
   int count = 0;
@@ -344,10 +352,13 @@ __global__ void __launch_bounds__(kBlockThreads, kUpdateWarpsPerSm / kWarpsPerBl
   // register bound fell from 158 to 62 bytes of loads: in one run on the H200 (1M x 384 float16
   // real embeddings) the default build took 0.417 s against 0.483 s with the inserts inside the
   // loop, the descending one 0.563 s against 0.663 s.
+  int changes = 0;
   for (int m = 0; m < moves; ++m) {
     const uint32_t packed = s.move[m];
-    pools.insert(write, slot_id(s.slot[packed >> 16]), slot_id(s.slot[packed & 0xffffu]), s.move_dist[m], true, lane);
+    changes += pools.insert(write, slot_id(s.slot[packed >> 16]), slot_id(s.slot[packed & 0xffffu]),
+                            s.move_dist[m], true, lane);
   }
+  if (lane == 0) args.changes[v] = changes;
 
   // Survivors into v's own next pool as old entries: one lock for all of them (other warps'
   // inserts land before or after the batch, which is one of the CPU's possible interleavings).
@@ -395,7 +406,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 template <typename T, int TEAM>
 void run_build(const T* x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p, int32_t* graph,
-               cudaStream_t stream) {
+               const at::Tensor& changes, cudaStream_t stream) {
   const int64_t n = pools.n;
   const unsigned blocks = static_cast<unsigned>(ceil_div(n, kWarpsPerBlock));
   const size_t shared = scratch_bytes(pools.capacity);
@@ -404,61 +415,52 @@ void run_build(const T* x, const DevicePools& pools, const BuildArgs& args, cons
   initialise_kernel<T, TEAM><<<blocks, kBlockThreads, shared, stream>>>(x, pools, args, p.initial_degree);
   check_launch();
   int read = 0;
-  uint32_t round = 0;
-  for (int t1 = 0; t1 < p.outer_iters; ++t1) {
+  auto update = [&](UpdateOrder order, uint32_t round, bool count) -> int64_t {
     BuildArgs iteration = args;
-    iteration.update_order = order_for_iteration(args.update_order, t1, p.outer_iters);
-    for (int t2 = 0; t2 < p.inner_iters; ++t2) {
-      ++round;
-      C10_CUDA_CHECK(cudaMemsetAsync(pools.counts + (read ^ 1) * n, 0, n * sizeof(int), stream));
-      update_kernel<T, TEAM><<<blocks, kBlockThreads, shared, stream>>>(x, pools, iteration, read, round);
-      check_launch();
-      read ^= 1;
-    }
-    // As on the CPU (build_cpu.cpp), the last outer iteration samples reverse edges too, unlike
-    // Algorithm 3 line 12: the returned rows then also hold incoming RNG edges.
-    if (p.reverse_ratio > 0) {
-      const int write = read ^ 1;
-      C10_CUDA_CHECK(cudaMemcpyAsync(pools.slots + write * buffer_slots, pools.slots + read * buffer_slots,
-                                     buffer_slots * sizeof(uint32_t), cudaMemcpyDeviceToDevice, stream));
-      C10_CUDA_CHECK(cudaMemcpyAsync(pools.dists + write * buffer_slots, pools.dists + read * buffer_slots,
-                                     buffer_slots * sizeof(float), cudaMemcpyDeviceToDevice, stream));
-      C10_CUDA_CHECK(cudaMemcpyAsync(pools.counts + write * n, pools.counts + read * n, n * sizeof(int),
-                                     cudaMemcpyDeviceToDevice, stream));
-      reverse_kernel<<<blocks, kBlockThreads, shared, stream>>>(pools, read, p.reverse_ratio);
-      check_launch();
-      read ^= 1;
-    }
-    // A report must mean the iteration is done, so progress costs one stream synchronisation
-    // per outer iteration; without a callback nothing waits.
-    if (progress_requested()) {
-      C10_CUDA_CHECK(cudaStreamSynchronize(stream));
-      report_progress(t1 + 1, p.outer_iters);
-    }
-  }
+    iteration.update_order = order;
+    C10_CUDA_CHECK(cudaMemsetAsync(pools.counts + (read ^ 1) * n, 0, n * sizeof(int), stream));
+    update_kernel<T, TEAM><<<blocks, kBlockThreads, shared, stream>>>(x, pools, iteration, read, round);
+    check_launch();
+    read ^= 1;
+    // The one host synchronisation of a round, only when convergence or progress needs it.
+    return count ? changes.sum(at::kLong).item<int64_t>() : 0;
+  };
+  auto reverse = [&] {
+    const int write = read ^ 1;
+    C10_CUDA_CHECK(cudaMemcpyAsync(pools.slots + write * buffer_slots, pools.slots + read * buffer_slots,
+                                   buffer_slots * sizeof(uint32_t), cudaMemcpyDeviceToDevice, stream));
+    C10_CUDA_CHECK(cudaMemcpyAsync(pools.dists + write * buffer_slots, pools.dists + read * buffer_slots,
+                                   buffer_slots * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    C10_CUDA_CHECK(cudaMemcpyAsync(pools.counts + write * n, pools.counts + read * n, n * sizeof(int),
+                                   cudaMemcpyDeviceToDevice, stream));
+    reverse_kernel<<<blocks, kBlockThreads, shared, stream>>>(pools, read, p.reverse_ratio);
+    check_launch();
+    read ^= 1;
+  };
+  run_schedule(p, n, update, reverse);
   finalise_kernel<<<blocks, kBlockThreads, shared, stream>>>(pools, read, p.degree, graph);
   check_launch();
 }
 
 template <typename T>
 void dispatch_team(const at::Tensor& x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p,
-                   int32_t* graph, cudaStream_t stream) {
+                   int32_t* graph, const at::Tensor& changes, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, double>) {
     TORCH_CHECK(false, "build: float64 storage reached the CUDA kernel (prepare_vectors narrows it)");
   } else {
     const T* base = x.data_ptr<T>();
     switch (team_for_row(x.size(1) * x.element_size())) {
       case 4:
-        run_build<T, 4>(base, pools, args, p, graph, stream);
+        run_build<T, 4>(base, pools, args, p, graph, changes, stream);
         break;
       case 8:
-        run_build<T, 8>(base, pools, args, p, graph, stream);
+        run_build<T, 8>(base, pools, args, p, graph, changes, stream);
         break;
       case 16:
-        run_build<T, 16>(base, pools, args, p, graph, stream);
+        run_build<T, 16>(base, pools, args, p, graph, changes, stream);
         break;
       default:
-        run_build<T, 32>(base, pools, args, p, graph, stream);
+        run_build<T, 32>(base, pools, args, p, graph, changes, stream);
         break;
     }
   }
@@ -491,11 +493,12 @@ int64_t free_device_bytes(c10::DeviceIndex device) {
 
 at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_degree, int64_t pool_size,
                       int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
-                      c10::string_view metric, int64_t seed) {
+                      c10::string_view metric, int64_t seed, double delta, c10::string_view start) {
   check_build_inputs(data);
   const c10::cuda::CUDAGuard guard(data.device());
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
-                                          std::string(update_order), std::string(metric), seed);
+                                          std::string(update_order), std::string(metric), seed, delta,
+                                          std::string(start));
   const int64_t n = data.size(0);
   const at::Tensor x = prepare_vectors(data, p.metric);
   // Inner product is built on lifted l2 exactly as on the CPU (params.h, lifts_inner_product).
@@ -505,12 +508,15 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
     const at::Tensor sq_norms = at::linalg_vector_norm(x, 2, {1}, false, at::kFloat).pow_(2);
     lift = (sq_norms.max() - sq_norms).clamp_min(0).sqrt().contiguous();
   }
+  // The start's cells (12 bytes a row, kept) and their scratch (freed here) come first.
+  const Cells cells = p.start == Start::kHubs ? partition_cells(x, lift) : Cells{};
 
-  // Everything the build allocates, once, before the first kernel (section 3.5: no allocation
-  // in the loop): 2 x [N, R] slots and distances, 2 x [N] counts, [N] locks, the [N, degree] graph.
+  // Everything the rounds use, allocated once before the first kernel (section 3.5: no
+  // allocation in the loop): 2 x [N, R] slots and distances, 2 x [N] counts, [N] locks, [N]
+  // change counts, the [N, degree] graph.
   const int64_t capacity = p.pool_size;
   const int64_t needed = 2 * n * capacity * static_cast<int64_t>(sizeof(uint32_t) + sizeof(float)) +
-                         3 * n * static_cast<int64_t>(sizeof(int)) +
+                         4 * n * static_cast<int64_t>(sizeof(int)) +
                          n * p.degree * static_cast<int64_t>(sizeof(int32_t));
   const int64_t available = free_device_bytes(data.device().index());
   TORCH_CHECK_WITH(OutOfMemoryError, needed <= available, "build: needs ", human_bytes(needed), " of GPU memory on ",
@@ -518,12 +524,13 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
                    capacity, ") and the graph, but only ", human_bytes(available),
                    " are free; lower pool_size or build on fewer rows at a time");
   const at::TensorOptions on_device = at::TensorOptions().device(data.device());
-  at::Tensor slots, dists, counts, locks, graph;
+  at::Tensor slots, dists, counts, locks, changes, graph;
   try {
     slots = at::empty({2, n, capacity}, on_device.dtype(at::kInt));
     dists = at::empty({2, n, capacity}, on_device.dtype(at::kFloat));
     counts = at::empty({2, n}, on_device.dtype(at::kInt));
     locks = at::zeros({n}, on_device.dtype(at::kInt));
+    changes = at::zeros({n}, on_device.dtype(at::kInt));
     graph = at::empty({n, p.degree}, on_device.dtype(at::kInt));
   } catch (const c10::OutOfMemoryError& e) {
     // The driver had room but the allocator refused (a per-process memory fraction, say): its
@@ -545,10 +552,15 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
                        lift.defined() ? Metric::kL2 : p.metric,
                        lift.defined() ? lift.data_ptr<float>() : nullptr,
                        p.update_order,
-                       p.seed};
+                       p.seed,
+                       cell_view(cells),
+                       changes.data_ptr<int>()};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index());
   GRNND_DISPATCH_STORAGE(x.scalar_type(), "grnnd_build_cuda",
-                         [&] { dispatch_team<scalar_t>(x, pools, args, p, graph.data_ptr<int32_t>(), stream); });
+                         [&] { dispatch_team<scalar_t>(x, pools, args, p, graph.data_ptr<int32_t>(), changes, stream); });
+  // The pools are no longer needed; the repair's own scratch is small.
+  slots = dists = at::Tensor();
+  connect_unreachable(graph, data, metric, x, lift);
   return graph;
 }
 

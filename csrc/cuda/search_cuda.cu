@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include "../checks.h"
+#include "../hubs.h"
 #include "../philox.h"
 #include "sort_cuda.cuh"
 #include "vectors_cuda.cuh"
@@ -89,7 +90,8 @@ struct SearchArgs {
   int warp_rows;     // 2 or 4: rows of the list in warp 0's registers (warp_iterations); 0: block_iterations
   int search_width;
   int max_iters;
-  int entries;       // min(list_size, n) random entry points per search, as the CPU draws them
+  int entries;       // min(list_size, n) entry points per search, chosen as on the CPU: its
+  HubEntries hubs;   // share of the query's nearest hubs (hubs.h), the rest random draws
 };
 
 // Shared state besides the dynamic arrays.
@@ -416,10 +418,13 @@ __device__ __forceinline__ void search_block(const T* __restrict__ x, const T* _
   }
   __syncthreads();
 
-  // Entry points: the CPU's draws, counter (query, search, e); repeats are dropped by the hash.
+  // Entry points: the query's nearest hubs, then the CPU's draws, counter (query, search, e);
+  // repeats are dropped by the hash.
   for (int e = tid; e < a.entries; e += blockDim.x) {
     const uint32_t r = random_u32(a.seed, Stream::kEntryPoints, qi, search, static_cast<uint32_t>(e));
-    const uint32_t id = random_below(r, static_cast<uint32_t>(a.n));
+    const int hub = a.hubs.column(e, static_cast<int>(search));
+    const uint32_t id = hub >= 0 ? static_cast<uint32_t>(a.hubs.ids[static_cast<int64_t>(qi) * a.hubs.columns + hub])
+                                 : random_below(r, static_cast<uint32_t>(a.n));
     if (hash_insert(table, a.hash_bits, id, &s.hash_count)) cand_i[atomicAdd(&s.n_cand, 1)] = id;
   }
   __syncthreads();
@@ -650,6 +655,12 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   // per storage type and team for lists of at most 32.
   a.warp_rows = warp_fits ? std::max(2, a.list_cap / kWarpSize) : 0;  // list_cap is a power of two
   a.entries = static_cast<int>(std::min<int64_t>(a.list_size, n));
+  // Cosine rows are not normalised here (team_cosine divides by their norms).
+  const int per_search = hub_entries_for_list(p.hub_entries, a.entries);
+  const at::Tensor hub_table = hub_entries(x, q, p.metric, /*x_normalised=*/false, per_search * a.searches);
+  a.hubs = hub_entries_view(hub_table, per_search, a.searches);
+  // The hub distances of the entry points count too (one matrix product row per query).
+  if (counts.defined() && a.hubs.columns > 0) counts.add_(static_cast<int32_t>(hub_count(n)));
 
   // Visited hash: must hold list + results + one round at load <= 1/2 (the no-duplicate
   // argument at the top); 4x that, at least 2048 slots, so resets (which forget visited nodes
@@ -705,10 +716,10 @@ std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at:
                                                const at::Tensor& queries, int64_t k, int64_t list_size,
                                                int64_t search_width, int64_t max_iters, c10::string_view metric,
                                                int64_t seed, const c10::optional<at::Tensor>& filter,
-                                               int64_t searches) {
+                                               int64_t searches, int64_t hub_entries) {
   check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
-      make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
+      make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches, hub_entries);
   check_search_contents(data, graph, queries);
   return run_search(data, graph, queries, filter, p, at::Tensor());
 }
@@ -716,10 +727,11 @@ std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at:
 at::Tensor search_distance_counts_cuda(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries,
                                        int64_t k, int64_t list_size, int64_t search_width, int64_t max_iters,
                                        c10::string_view metric, int64_t seed,
-                                       const c10::optional<at::Tensor>& filter, int64_t searches) {
+                                       const c10::optional<at::Tensor>& filter, int64_t searches,
+                                       int64_t hub_entries) {
   check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
-      make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches);
+      make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches, hub_entries);
   check_search_contents(data, graph, queries);
   at::Tensor counts = at::zeros({queries.size(0)}, queries.options().dtype(at::kInt));
   run_search(data, graph, queries, filter, p, counts);

@@ -53,9 +53,11 @@ __device__ __forceinline__ void warp_unlock(int* lock, int lane) {
 // Reads go through L2 (__ldcg): other SMs wrote the set under its lock in this same kernel.
 // One pass reads each slot's key and distance together, for all `capacity` slots whatever the
 // count (slots past it hold stale entries and are ignored), so the loads do not wait for the
-// count. Returns the new count; the caller stores it.
+// count. Returns the new count; the caller stores it. `changed` becomes true on every lane when
+// the set changed (an append or a replacement).
 __device__ __forceinline__ int warp_insert_locked(uint32_t* keys, float* dists, int count, int capacity,
-                                                  uint32_t id_mask, uint32_t key, float dist, int lane) {
+                                                  uint32_t id_mask, uint32_t key, float dist, int lane,
+                                                  bool& changed) {
   const uint32_t id = key & id_mask;
   bool found = false;
   float farthest = 0.0f;
@@ -71,6 +73,7 @@ __device__ __forceinline__ int warp_insert_locked(uint32_t* keys, float* dists, 
       }
     }
   }
+  changed = false;
   if (__any_sync(kFullMask, found)) return count;
   if (count < capacity) {
     if (lane == 0) {
@@ -78,6 +81,7 @@ __device__ __forceinline__ int warp_insert_locked(uint32_t* keys, float* dists, 
       dists[count] = dist;
     }
     __syncwarp();
+    changed = true;
     return count + 1;
   }
 #pragma unroll
@@ -89,7 +93,8 @@ __device__ __forceinline__ int warp_insert_locked(uint32_t* keys, float* dists, 
       at = other_at;
     }
   }
-  if (dist < farthest && lane == 0) {
+  changed = dist < farthest;  // equal on every lane after the reduction
+  if (changed && lane == 0) {
     keys[at] = key;
     dists[at] = dist;
   }

@@ -1,0 +1,171 @@
+"""Whether build quality holds as N grows: 100k to 10M rows, several data shapes, on one GPU.
+
+    python benchmarks/bench_scale.py --out DIR
+    python benchmarks/bench_scale.py --sets blobs:4000000x384,zipf:1000000x384 \\
+        --builds "" "start=random,delta=0,outer_iters=3,inner_iters=6" --out DIR
+
+Data families, made on the GPU in float16, with 1000 held-out queries drawn the same way:
+  blobs  N / 1000 Gaussian clusters of equal expected size (centres spread by 3, unit noise),
+         the generator of benchmarks/bench_gpu.py: each cluster holds about 1000 rows at any N,
+         so only the number of clusters grows;
+  zipf   N / 1000 clusters whose sizes fall as 1 / rank: a few huge ones and many of a few
+         rows, as real collections are.
+For each set and build configuration (build settings as "name=value,..."; "" = the defaults):
+build time (CUDA events), rounds run and the pool entries each changed, the out-degree
+summary, the share of rows a search cannot reach from the hubs (breadth-first search), and
+recall@10 against exact results (torch_grnnd.knn) at list 32, 64 and 128, with the default
+entry points and with random ones only (hub_entries=0). Writes scale_<name>.{json,md}.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch_grnnd as grnnd  # noqa: E402
+from benchmarks.bench_gpu import cuda_time, parse_build  # noqa: E402
+from benchmarks.report import machine, machine_line  # noqa: E402
+
+LISTS = (32, 64, 128)
+QUERIES = 1000
+
+
+def make_set(family: str, n: int, d: int, seed: int = 0, chunk: int = 1 << 20):
+    """(base, queries) float16 on the GPU; rows made chunk by chunk (10M x 1024 is 20 GB)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    clusters = max(n // 1000, 10)
+    centres = torch.randn(clusters, d, generator=g, device="cuda") * 3
+    total = n + QUERIES
+    if family == "blobs":
+        labels = torch.randint(clusters, (total,), generator=g, device="cuda")
+    elif family == "zipf":
+        weights = 1.0 / torch.arange(1, clusters + 1, device="cuda", dtype=torch.float64)
+        labels = torch.multinomial(weights.float(), total, replacement=True, generator=g)
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    x = torch.empty(total, d, dtype=torch.float16, device="cuda")
+    for start in range(0, total, chunk):
+        end = min(total, start + chunk)
+        noise = torch.randn(end - start, d, generator=g, device="cuda")
+        x[start:end] = (centres[labels[start:end]] + noise).half()
+    return x[:n], x[n:]
+
+
+def measure(base, queries, truth, settings: dict) -> dict:
+    rounds = []
+    graph, secs = cuda_time(lambda: grnnd.build(base, progress=lambda done, total, changes: rounds.append(changes),
+                                                **settings))
+    # Progress costs a synchronisation per round; time the build again without it.
+    graph, secs = cuda_time(lambda: grnnd.build(base, **settings))
+    hubs = grnnd.diagnostics.hubs(base)
+    unreachable = float((~grnnd.diagnostics.reachable(graph, hubs)).double().mean()) if hubs.numel() else None
+    row = {"build": settings, "build_s": secs, "rounds": len(rounds), "changes": rounds,
+           "degree": grnnd.diagnostics.degree_summary(graph), "unreachable_from_hubs": unreachable}
+    for entries, key in ((-1, "recall"), (0, "recall_random_entries")):
+        row[key] = {}
+        for size in LISTS:
+            _, ids = grnnd.search(base, graph, queries, 10, list_size=size, hub_entries=entries)
+            row[key][size] = grnnd.recall(ids, truth, 10)
+        # Throughput at list 64 on a batch of 10 000 (the queries ten times over).
+        batch = queries.repeat(10, 1)
+        _, secs = cuda_time(lambda: grnnd.search(base, graph, batch, 10, list_size=64, hub_entries=entries), repeat=5)
+        row[key + "_qps_list64"] = batch.shape[0] / secs
+    del graph
+    torch.cuda.empty_cache()
+    return row
+
+
+def hnsw_reference(base, queries, truth, ef_search=(32, 64, 128)) -> dict:
+    """faiss-cpu HNSW (M = 32, efConstruction = 40) on the same rows, as the issue measured it."""
+    import faiss
+    index = faiss.IndexHNSWFlat(base.shape[1], 32)
+    index.hnsw.efConstruction = 40
+    x = base.float().cpu().numpy()
+    start = time.perf_counter()
+    index.add(x)
+    row = {"build_s": time.perf_counter() - start, "threads": faiss.omp_get_max_threads(), "recall": {}}
+    q = queries.float().cpu().numpy()
+    for ef in ef_search:
+        index.hnsw.efSearch = ef
+        _, ids = index.search(q, 10)
+        row["recall"][ef] = grnnd.recall(torch.from_numpy(ids).to(truth.device), truth, 10)
+    return row
+
+
+def describe(settings: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sets", default="blobs:1000000x384,blobs:4000000x384,zipf:1000000x384,zipf:4000000x384,"
+                                     "blobs:10000000x128,blobs:10000000x1024")
+    p.add_argument("--builds", nargs="+", default=["", "start=random,delta=0,outer_iters=3,inner_iters=6"],
+                   help="build settings per configuration; '' = the defaults")
+    p.add_argument("--hnsw", default="", help="comma-separated sets (as in --sets) that also get a faiss HNSW reference")
+    p.add_argument("--name", default="gpu")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    rows = []
+    for spec in args.sets.split(","):
+        family, _, size = spec.partition(":")
+        n, d = (int(v) for v in size.split("x"))
+        base, queries = make_set(family, n, d)
+        truth = grnnd.knn(base, queries, 10)[1]
+        grnnd.build(base[:50_000])  # warm-up: kernels loaded, allocator primed
+        for text in args.builds:
+            settings = parse_build(text)
+            row = {"family": family, "n": n, "d": d, **measure(base, queries, truth, settings)}
+            rows.append(row)
+            print(f"{family} {n:>10,} x {d:<5} {describe(settings):<50} build {row['build_s']:7.3f} s, "
+                  f"{row['rounds']:2d} rounds, degree min {row['degree']['min']} mean {row['degree']['mean']:.1f}, "
+                  f"unreachable {row['unreachable_from_hubs']}, recall@10 list 32/64/128 "
+                  + "/".join(f"{row['recall'][s]:.3f}" for s in LISTS) + " (random entries "
+                  + "/".join(f"{row['recall_random_entries'][s]:.3f}" for s in LISTS) + ")", flush=True)
+        if spec in args.hnsw.split(","):
+            ref = hnsw_reference(base, queries, truth)
+            rows.append({"family": family, "n": n, "d": d, "hnsw": ref})
+            print(f"{family} {n:>10,} x {d:<5} faiss HNSW M=32 efC=40: build {ref['build_s']:.1f} s on "
+                  f"{ref['threads']} threads, recall@10 efSearch 32/64/128 "
+                  + "/".join(f"{v:.3f}" for v in ref["recall"].values()), flush=True)
+        del base, queries, truth
+        torch.cuda.empty_cache()
+    write(rows, args)
+
+
+def write(rows, args):
+    results = {"title": "Build quality from 1M to 10M rows", "machine": machine(threads=torch.get_num_threads(), cuda=True),
+               "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"scale_{args.name}")
+    with open(base + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    lines = [f"# {results['title']}", "", f"Machine: {machine_line(results['machine'])}.", "",
+             "float16 rows, L2, 1000 held-out queries, recall@10 against exact results (`grnnd.knn`); "
+             "hub / random: the default entry points / random entry points only.", "",
+             "| data | N | D | build | s | rounds | degree min / p1 / mean | unreachable | "
+             "recall list 32 / 64 / 128 (hub entries) | (random entries) |",
+             "|---|---:|---:|---|---:|---:|---|---:|---|---|"]
+    for r in rows:
+        if "hnsw" in r:
+            h = r["hnsw"]
+            lines.append(f"| {r['family']} | {r['n']:,} | {r['d']} | faiss-cpu HNSW M=32 efC=40 ({h['threads']} threads) | "
+                         f"{h['build_s']:.1f} | | | | " + " / ".join(f"{v:.3f}" for v in h["recall"].values())
+                         + " (efSearch 32 / 64 / 128) | |")
+            continue
+        deg = r["degree"]
+        unreachable = "-" if r["unreachable_from_hubs"] is None else f"{r['unreachable_from_hubs']:.2e}"
+        lines.append(f"| {r['family']} | {r['n']:,} | {r['d']} | {describe(r['build'])} | {r['build_s']:.2f} | "
+                     f"{r['rounds']} | {deg['min']} / {deg['p1']:.0f} / {deg['mean']:.1f} | {unreachable} | "
+                     + " / ".join(f"{r['recall'][s]:.3f}" for s in LISTS) + " | "
+                     + " / ".join(f"{r['recall_random_entries'][s]:.3f}" for s in LISTS) + " |")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("wrote", base + ".json", base + ".md")
+
+
+if __name__ == "__main__":
+    main()

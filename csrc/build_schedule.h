@@ -1,0 +1,63 @@
+// The build's schedule of rounds, shared by the CPU and CUDA builds: when to sample reverse
+// edges, when the build has converged, and the progress reports.
+//
+// Seed 000 runs a fixed T1 x T2 rounds. How many rounds a graph needs grows with N and with the
+// number of separate neighbourhoods in the data (the clustered sets in benchmarks/ lost recall
+// from 0.95 at 1M to 0.77 at 4M rows under 3 x 6 rounds), so the build decides from its own work,
+// as NN-Descent does: a round that changes at most delta * N * pool_size pool entries ends its
+// outer iteration early. The first round after the reverse edges never gets that low: some of
+// the reverse edges are pruned again every time and move entries back and forth (on 1M and 4M
+// clustered rows, H100, the first round settled near 0.02 N R outer iteration after outer
+// iteration while the last fell to 0.0015 N R). So the build ends after an outer iteration whose
+// first round changed at most kOuterDelta * delta * N * pool_size entries. T1 and T2 are caps.
+// With a start from hubs the change curves of 1M and 4M rows were the same, round for round, and
+// recall@10 at list 64 after 18 rounds (the last changing 0.0096 N R) was within 0.001 of 60
+// rounds; from a random start 4M rows still changed 0.046 N R after 18 rounds and recalled 0.79
+// (benchmarks/README.md, scale).
+#pragma once
+
+#include <cstdint>
+
+#include "params.h"
+#include "progress.h"
+
+namespace grnnd {
+
+constexpr double kOuterDelta = 10.0;
+
+// update(order, round, count) runs update round `round` (1-based, the random streams' counter)
+// in `order` and returns the pool entries it changed when `count` is true (on the GPU counting
+// costs a host synchronisation); reverse() samples reverse edges. Reports (rounds done, T1 x T2,
+// changes) after each round, and (done, done, changes) at the end of a build that converged
+// before the cap. Returns the rounds run.
+template <typename Update, typename Reverse>
+int64_t run_schedule(const BuildParams& p, int64_t n, Update&& update, Reverse&& reverse) {
+  const bool converge = p.delta > 0;
+  const bool report = progress_requested();
+  const int64_t cap = static_cast<int64_t>(p.outer_iters) * p.inner_iters;
+  int64_t done = 0, changes = 0;
+  uint32_t round = 0;
+  for (int t1 = 0; t1 < p.outer_iters; ++t1) {
+    const UpdateOrder order = order_for_iteration(p.update_order, t1, p.outer_iters);
+    bool converged = false, settled = false;
+    for (int t2 = 0; t2 < p.inner_iters && !converged; ++t2) {
+      changes = update(order, ++round, converge || report);
+      ++done;
+      converged = converge && static_cast<double>(changes) <= p.converged_changes(n);
+      if (t2 == 0) settled = converge && static_cast<double>(changes) <= kOuterDelta * p.converged_changes(n);
+      if (report) report_progress(done, cap, changes);
+    }
+    // Unlike Algorithm 3 (line 12), the last outer iteration samples reverse edges too: the
+    // returned rows then also hold incoming RNG edges, which makes the sparse pruned graph
+    // easier to navigate at no distance cost (recall@10 at list 64 on 5000 x 32 clusters:
+    // 0.947 -> 0.962).
+    if (p.reverse_ratio > 0) reverse();
+    if (settled) {
+      if (report && done < cap) report_progress(done, done, changes);
+      return done;
+    }
+  }
+  return done;
+}
+
+}  // namespace grnnd

@@ -1,0 +1,112 @@
+// Hubs (hubs.h): the sample, nearest hubs by matrix products, the build's cells and the
+// search's entry points. Plain ATen, so the CPU and CUDA kernels share one implementation.
+#include "hubs.h"
+
+#include <algorithm>
+
+#include <torch/library.h>
+
+namespace grnnd {
+
+int64_t hub_count(int64_t n) {
+  const int64_t count = n / kRowsPerHub;
+  return count < kMinHubs ? 0 : std::min(count, kMaxHubs);
+}
+
+at::Tensor hub_ids(int64_t n, const at::TensorOptions& options) {
+  const int64_t count = hub_count(n);
+  const at::Tensor j = at::arange(count, options.dtype(at::kLong));
+  // Stratum j is rows [j n / count, (j + 1) n / count); the hub sits at a hashed offset in it
+  // (Knuth's multiplicative hash, kept below 2^63 since j < 2^17), so strata of a sorted data
+  // set do not all contribute their first row.
+  const at::Tensor begin = at::floor_divide(j * n, count);
+  const at::Tensor length = at::floor_divide((j + 1) * n, count) - begin;
+  const at::Tensor hashed = at::remainder(j * int64_t{2654435761}, int64_t{1} << 32);
+  return begin + at::remainder(hashed, length);
+}
+
+namespace {
+
+// <rows, hubs> as float32 [m, h]: half-precision rows go through tensor cores with float32
+// results (no overflow of large dot products in half precision).
+at::Tensor dot_products(const at::Tensor& rows, const at::Tensor& hubs_t) {
+  const bool half = rows.scalar_type() == at::kHalf || rows.scalar_type() == at::kBFloat16;
+  if (half && rows.is_cuda()) return at::mm(rows, hubs_t, at::kFloat);
+  return at::mm(rows.to(at::kFloat), hubs_t.to(at::kFloat));
+}
+
+// Scores stay below this many floats per chunk of rows (256 MiB).
+constexpr int64_t kScoreBudget = int64_t{1} << 26;
+
+}  // namespace
+
+at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t k, Metric metric,
+                        const at::Tensor& rows_lift, const at::Tensor& hubs_lift) {
+  const int64_t m = rows.size(0), h = hubs.size(0);
+  k = std::min(k, h);
+  // score(r, hub) = weight[hub] * <r, hub> + bias[hub] (+ the lift term), smaller is nearer;
+  // terms that depend on the row alone do not change its ranking and are left out.
+  const at::Tensor hubs_f = hubs.to(at::kFloat);
+  at::Tensor weight, bias;
+  switch (metric) {
+    case Metric::kL2: {
+      weight = at::full({h}, -2.0f, hubs_f.options());
+      bias = hubs_f.pow(2).sum(1);
+      if (hubs_lift.defined()) bias = bias + hubs_lift.pow(2);
+      break;
+    }
+    case Metric::kIP:
+      weight = at::full({h}, -1.0f, hubs_f.options());
+      bias = at::zeros({h}, hubs_f.options());
+      break;
+    case Metric::kCosine:
+      weight = -hubs_f.norm(2, {1}).clamp_min(1e-30).reciprocal();
+      bias = at::zeros({h}, hubs_f.options());
+      break;
+  }
+  const at::Tensor hubs_t = hubs.t();
+  const at::Tensor lift_t = hubs_lift.defined() ? (-2.0f * hubs_lift).unsqueeze(0) : at::Tensor();
+  at::Tensor out = at::empty({m, k}, rows.options().dtype(at::kLong));
+  const int64_t chunk = std::max<int64_t>(1, kScoreBudget / std::max<int64_t>(h, 1));
+  for (int64_t start = 0; start < m; start += chunk) {
+    const int64_t end = std::min(m, start + chunk);
+    at::Tensor scores = dot_products(rows.slice(0, start, end), hubs_t).mul_(weight).add_(bias);
+    if (rows_lift.defined()) scores.addmm_(rows_lift.slice(0, start, end).unsqueeze(1), lift_t);
+    out.slice(0, start, end).copy_(std::get<1>(at::topk(scores, k, 1, /*largest=*/false, /*sorted=*/true)));
+  }
+  return out;
+}
+
+Cells partition_cells(const at::Tensor& x, const at::Tensor& lift) {
+  const int64_t n = x.size(0);
+  const int64_t count = hub_count(n);
+  if (count == 0) return {};
+  const at::Tensor hubs = hub_ids(n, x.options());
+  const at::Tensor hubs_lift = lift.defined() ? lift.index_select(0, hubs) : at::Tensor();
+  // The build's distances are l2 (lifted for inner product; cosine rows are unit length).
+  const at::Tensor nearest = nearest_hubs(x, x.index_select(0, hubs), 2, Metric::kL2, lift, hubs_lift);
+  const at::Tensor first = nearest.select(1, 0).contiguous();
+  const at::Tensor sizes = at::bincount(first, {}, count);
+  Cells cells;
+  cells.members = std::get<1>(at::sort(first, /*stable=*/true, /*dim=*/0, /*descending=*/false)).to(at::kInt);
+  cells.begin = at::cat({at::zeros({1}, sizes.options()), sizes.cumsum(0)}).to(at::kInt);
+  cells.cell = nearest.to(at::kInt).contiguous();
+  return cells;
+}
+
+at::Tensor hub_entries(const at::Tensor& x, const at::Tensor& queries, Metric metric, bool x_normalised,
+                       int64_t count) {
+  const int64_t n = x.size(0);
+  if (hub_count(n) == 0 || count <= 0 || queries.size(0) == 0) return at::Tensor();
+  const at::Tensor hubs = hub_ids(n, x.options());
+  // Unit rows rank by -<q, hub> under cosine as under inner product.
+  const Metric ranking = metric == Metric::kCosine && x_normalised ? Metric::kIP : metric;
+  const at::Tensor nearest = nearest_hubs(queries, x.index_select(0, hubs), count, ranking);
+  return hubs.index_select(0, nearest.flatten()).view_as(nearest).to(at::kInt).contiguous();
+}
+
+TORCH_LIBRARY_IMPL(grnnd, CompositeExplicitAutograd, m) {
+  m.impl("hub_ids", [](const at::Tensor& data) { return hub_ids(data.size(0), data.options()); });
+}
+
+}  // namespace grnnd

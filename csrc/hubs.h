@@ -1,0 +1,114 @@
+// Hubs: a fixed sample of the rows that gives the build a local start and the search entry
+// points near each query, on any device (ATen code, shared by the CPU and CUDA kernels).
+//
+// Why: from random starts a build must discover each vertex's neighbourhood by chance, and the
+// number of rounds that takes grows with the number of separate neighbourhoods (clusters) in
+// the data; at 10M rows in 10 000 clusters a random start holds almost no neighbour of the
+// same cluster. Likewise random entry points rarely land in a query's cluster. Rows that are
+// nearest to the same hub form a cell of a Voronoi partition of the data: the build draws most
+// initial neighbours from a vertex's own cell and its second cell, and the search starts from
+// the hubs nearest to each query. Nearest hubs are found by one matrix product per chunk of
+// rows (tensor cores on the GPU), not by a walk.
+//
+// The sample is a function of N alone (hub_ids): one row at a hashed position in each stratum
+// of consecutive rows, so the search finds the build's hubs without anything stored beside the
+// graph, and sorted data (say, class by class) still gets hubs in every stretch.
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/ATen.h>
+
+#include "params.h"
+#include "philox.h"
+
+namespace grnnd {
+
+// Rows per hub, and the fewest hubs worth having: below kMinHubs the data is small enough for
+// random starts and entry points, and everything behaves as without hubs.
+constexpr int64_t kRowsPerHub = 1000;
+constexpr int64_t kMinHubs = 16;
+// At most this many hubs (100M rows): the cost of assigning N rows to hubs grows as N x hubs.
+constexpr int64_t kMaxHubs = 100000;
+
+int64_t hub_count(int64_t n);
+
+// The hubs of n rows: int64 [hub_count(n)] ids, increasing, one in each stratum of n / count rows.
+at::Tensor hub_ids(int64_t n, const at::TensorOptions& options);
+
+// For each row of `rows` [m, D], positions (into `hubs` [h, D]) of its k nearest hubs, nearest
+// first: int64 [m, k]. Ranking as the metric ranks: kL2 |r - h|^2, kIP -<r, h>, kCosine
+// -<r, h> / |h| (rows already normalised). Lifted rows (inner product built on l2, params.h)
+// pass their extra coordinates in rows_lift [m] and hubs_lift [h], else undefined tensors.
+// Half-precision rows are multiplied on tensor cores with float32 results.
+at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t k, Metric metric,
+                        const at::Tensor& rows_lift = at::Tensor(), const at::Tensor& hubs_lift = at::Tensor());
+
+// The build's partition of n rows into the cells of their nearest hub.
+struct Cells {
+  at::Tensor members;  // int32 [n]: row ids grouped by cell (stable: increasing within a cell)
+  at::Tensor begin;    // int32 [hubs + 1]: cell c is members[begin[c] .. begin[c + 1])
+  at::Tensor cell;     // int32 [n, 2]: each row's nearest and second-nearest cell
+};
+
+// Cells of the rows of x (prepared vectors, lift as in nearest_hubs); undefined tensors when
+// hub_count(n) is 0.
+Cells partition_cells(const at::Tensor& x, const at::Tensor& lift);
+
+// Cells as raw pointers for the kernels; members is null when there are none.
+struct CellView {
+  const int32_t* members = nullptr;
+  const int32_t* begin = nullptr;
+  const int32_t* cell = nullptr;
+};
+
+inline CellView cell_view(const Cells& cells) {
+  if (!cells.members.defined()) return {};
+  return {cells.members.data_ptr<int32_t>(), cells.begin.data_ptr<int32_t>(), cells.cell.data_ptr<int32_t>()};
+}
+
+// Initial neighbour number s (of S) of vertex v for the random draw r, on both devices: with
+// cells, the first half from v's own cell and the next quarter from its second cell (the
+// neighbourhood across the nearest cell border), the last quarter uniform over all n rows, which
+// keeps long edges in the start; without cells, all uniform (seed 000).
+GRNND_HOST_DEVICE int64_t initial_neighbour(const CellView& cells, int64_t v, int s, int initial_degree, uint32_t r,
+                                            int64_t n) {
+  const int which = 2 * s < initial_degree ? 0 : (4 * s < 3 * initial_degree ? 1 : -1);
+  if (cells.members != nullptr && which >= 0) {
+    const int32_t cell = cells.cell[2 * v + which];
+    const int32_t begin = cells.begin[cell], size = cells.begin[cell + 1] - begin;
+    // A second cell may be empty (duplicate rows can tie two hubs): draw uniformly then.
+    if (size > 0) return cells.members[begin + random_below(r, static_cast<uint32_t>(size))];
+  }
+  return random_below(r, static_cast<uint32_t>(n));
+}
+
+// Search entry points: for each query, the ids of its `count` nearest hubs (int32 [q, count],
+// fewer columns if there are fewer hubs), or an undefined tensor when the data has no hubs or
+// count is 0. `x` and `queries` as the search kernels see them; for cosine `x_normalised` says
+// whether x's rows are unit length.
+at::Tensor hub_entries(const at::Tensor& x, const at::Tensor& queries, Metric metric, bool x_normalised,
+                       int64_t count);
+
+// A query's nearest hubs dealt out to its independent searches (params.h) like cards: search s
+// of S gets columns s, s + S, s + 2S, ... of the table, at most per_search of them, so split
+// searches start from different hubs, as they start from different random rows.
+struct HubEntries {
+  const int32_t* ids = nullptr;  // [q, columns], nearest first
+  int columns = 0;
+  int per_search = 0;
+  int searches = 1;
+
+  // The table column of entry point e of search s, or -1 when that entry point is random.
+  GRNND_HOST_DEVICE int column(int e, int s) const {
+    const int c = e * searches + s;
+    return e < per_search && c < columns ? c : -1;
+  }
+};
+
+inline HubEntries hub_entries_view(const at::Tensor& table, int per_search, int searches) {
+  if (!table.defined()) return {};
+  return {table.data_ptr<int32_t>(), static_cast<int>(table.size(1)), per_search, searches};
+}
+
+}  // namespace grnnd

@@ -1,0 +1,117 @@
+// Reachability of the built graph and its repair (reachability.h).
+#include "reachability.h"
+
+#include <algorithm>
+#include <limits>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include "hubs.h"
+
+namespace grnnd {
+namespace {
+
+// Repair passes before giving up; each reconnects at least one lost vertex per parent, and on
+// the data of benchmarks/bench_scale.py one or two passes left nothing unreached.
+constexpr int kMaxPasses = 64;
+// Parents whose rows are rebuilt at once (their neighbours' rows are gathered in float32).
+constexpr int64_t kRowsPerChunk = 4096;
+
+// Squared l2 (plus the lift's term) from row from[i] to rows to[i, :]: float32 [k, m].
+at::Tensor pair_distances(const at::Tensor& x, const at::Tensor& lift, const at::Tensor& from, const at::Tensor& to) {
+  const at::Tensor a = x.index_select(0, from).to(at::kFloat).unsqueeze(1);
+  const at::Tensor b = x.index_select(0, to.flatten()).to(at::kFloat).view({to.size(0), to.size(1), -1});
+  at::Tensor d = (b - a).pow_(2).sum(2);
+  if (lift.defined()) {
+    d += (lift.index_select(0, to.flatten()).view_as(to) - lift.index_select(0, from).unsqueeze(1)).pow_(2);
+  }
+  return d;
+}
+
+// Adds the edge parent[i] -> child[i] to each parent's row (parents distinct): the row keeps
+// its degree - 1 nearest entries (so a full row drops its farthest) plus the child, re-sorted.
+void add_edges(at::Tensor& graph, const at::Tensor& x, const at::Tensor& lift, const at::Tensor& parent,
+               const at::Tensor& child) {
+  const int64_t degree = graph.size(1);
+  for (int64_t start = 0; start < parent.numel(); start += kRowsPerChunk) {
+    const int64_t end = std::min(parent.numel(), start + kRowsPerChunk);
+    const at::Tensor p = parent.slice(0, start, end);
+    const at::Tensor rows = graph.index_select(0, p).to(at::kLong);
+    const at::Tensor candidates =
+        at::cat({rows.slice(1, 0, degree - 1), child.slice(0, start, end).unsqueeze(1)}, 1);
+    const at::Tensor padding = candidates.lt(0);
+    const at::Tensor dist = pair_distances(x, lift, p, candidates.clamp_min(0))
+                                .masked_fill_(padding, std::numeric_limits<float>::infinity());
+    const at::Tensor order = std::get<1>(at::sort(dist, /*stable=*/true, /*dim=*/1, /*descending=*/false));
+    graph.index_copy_(0, p, candidates.gather(1, order).to(graph.scalar_type()));
+  }
+}
+
+}  // namespace
+
+at::Tensor reached_from(const at::Tensor& graph, const at::Tensor& sources) {
+  const int64_t n = graph.size(0);
+  at::Tensor seen = at::zeros({n}, graph.options().dtype(at::kBool));
+  at::Tensor frontier = sources.to(at::kLong);
+  seen.index_fill_(0, frontier, true);
+  // One level per step; reading a level's size is a host synchronisation.
+  while (frontier.numel() > 0) {
+    at::Tensor next = graph.index_select(0, frontier).flatten();
+    next = next.masked_select(next.ge(0)).to(at::kLong);
+    at::Tensor fresh = at::zeros({n}, seen.options());
+    fresh.index_fill_(0, next, true);
+    fresh.logical_and_(seen.logical_not());
+    seen.logical_or_(fresh);
+    frontier = fresh.nonzero().flatten();
+  }
+  return seen;
+}
+
+at::Tensor reachability_sources(int64_t n, const at::TensorOptions& options) {
+  const at::Tensor hubs = hub_ids(n, options.dtype(at::kLong));
+  return hubs.numel() > 0 ? hubs : at::zeros({std::min<int64_t>(n, 1)}, options.dtype(at::kLong));
+}
+
+int64_t connect_unreachable(at::Tensor& graph, const at::Tensor& data, c10::string_view metric, const at::Tensor& x,
+                            const at::Tensor& lift) {
+  static const auto search_op = c10::Dispatcher::singleton().findSchemaOrThrow("grnnd::search", "").typed<
+      std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                         int64_t, int64_t, c10::string_view, int64_t,
+                                         const c10::optional<at::Tensor>&, int64_t, int64_t)>();
+  const int64_t n = graph.size(0);
+  if (n == 0 || graph.size(1) == 0) return 0;
+  const at::TensorOptions ids = graph.options().dtype(at::kLong);
+  const at::Tensor sources = reachability_sources(n, ids);
+  const at::Tensor hubs = hub_ids(n, ids);
+  int64_t added = 0;
+  for (int pass = 0; pass < kMaxPasses; ++pass) {
+    const at::Tensor seen = reached_from(graph, sources);
+    const at::Tensor lost = seen.logical_not().nonzero().flatten();
+    if (lost.numel() == 0) break;
+    // Parent of a lost vertex: the nearest reached vertex a search finds for it (the filter
+    // keeps lost vertices out of the results; list and seed are the search's defaults)...
+    const at::Tensor found = std::get<1>(search_op.call(data, graph, data.index_select(0, lost), 1,
+                                                        std::min<int64_t>(64, n), 1, 0, metric, 0, seen, 0, -1))
+                                 .squeeze(1);
+    // ... else its nearest hub (vertex 0 without hubs).
+    at::Tensor fallback = at::zeros_like(found);
+    if (hubs.numel() > 0) {
+      const at::Tensor hub = nearest_hubs(x.index_select(0, lost), x.index_select(0, hubs), 1, Metric::kL2,
+                                          lift.defined() ? lift.index_select(0, lost) : at::Tensor(),
+                                          lift.defined() ? lift.index_select(0, hubs) : at::Tensor());
+      fallback = hubs.index_select(0, hub.flatten());
+    }
+    const at::Tensor parent = at::where(found.ge(0), found, fallback);
+    // One new edge per parent and pass: to its lost vertex of lowest id.
+    const auto sorted = at::sort(parent, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    const at::Tensor& by_parent = std::get<0>(sorted);
+    at::Tensor first = at::ones_like(by_parent, by_parent.options().dtype(at::kBool));
+    if (by_parent.numel() > 1) first.slice(0, 1).copy_(by_parent.slice(0, 1).ne(by_parent.slice(0, 0, -1)));
+    const at::Tensor parents = by_parent.masked_select(first);
+    add_edges(graph, x, lift, parents, lost.index_select(0, std::get<1>(sorted)).masked_select(first));
+    added += parents.numel();
+  }
+  return added;
+}
+
+}  // namespace grnnd

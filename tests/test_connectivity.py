@@ -1,0 +1,97 @@
+"""A build's start, convergence and connectivity: what keeps quality from depending on N.
+
+Hubs (csrc/hubs.h) give the build a local start and the search entry points near each query;
+the build stops rounds when they change little (delta) and ends with every vertex reachable
+from the hubs (csrc/reachability.h). CPU here, CUDA where available.
+"""
+import pytest
+import torch
+
+import torch_grnnd as grnnd
+from conftest import clustered
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def islands(n: int, d: int, count: int, size: int, seed: int = 0) -> torch.Tensor:
+    """n rows in one Gaussian cloud plus `count` far islands of `size` rows each: the
+    relative-neighbourhood rule keeps the islands' edges among themselves, and no hub lies in
+    an island, so without the repair nothing leads into them."""
+    g = torch.Generator().manual_seed(seed)
+    cloud = torch.randn(n, d, generator=g)
+    centres = torch.randn(count, d, generator=g) * 8
+    far = centres.repeat_interleave(size, 0) + 0.1 * torch.randn(count * size, d, generator=g)
+    return torch.cat([cloud, far])[torch.randperm(n + count * size, generator=g)]
+
+
+def test_hubs_are_one_row_per_stratum():
+    assert grnnd.diagnostics.hubs(torch.empty(15_999, 2)).numel() == 0  # too small: random starts
+    for n in (16_000, 123_457):
+        hubs = grnnd.diagnostics.hubs(torch.empty(n, 2))
+        count = n // 1000
+        assert hubs.dtype == torch.int64 and hubs.numel() == count
+        assert torch.equal(hubs // 1, hubs.sort().values) and hubs.unique().numel() == count
+        stratum = torch.arange(count)
+        assert ((hubs >= stratum * n // count) & (hubs < (stratum + 1) * n // count)).all()
+        assert torch.equal(hubs, grnnd.diagnostics.hubs(torch.empty(n, 7)))  # a function of N alone
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_vertex_is_reachable_from_the_hubs(device):
+    data = islands(100_000, 16, count=40, size=4).to(device)
+    graph = grnnd.build(data, degree=16, pool_size=32, initial_degree=8)
+    hubs = grnnd.diagnostics.hubs(data)
+    assert hubs.numel() == 100
+    reached = grnnd.diagnostics.reachable(graph, hubs)
+    assert reached.all(), f"{int((~reached).sum())} vertices unreachable"
+    # The repair keeps each row ascending by distance.
+    ids = graph.long()
+    dist = (data[ids.clamp_min(0)] - data[:, None]).pow(2).sum(2).masked_fill(ids < 0, float("inf"))
+    assert (dist[:, 1:] >= dist[:, :-1] * (1 - 1e-4) - 1e-4).all()
+
+
+def test_diagnostics_by_hand():
+    graph = torch.tensor([[1, 2], [2, -1], [-1, -1], [0, -1]], dtype=torch.int32)
+    assert grnnd.diagnostics.reachable(graph, torch.tensor([0])).tolist() == [True, True, True, False]
+    assert grnnd.diagnostics.out_degrees(graph).tolist() == [2, 1, 0, 1]
+    summary = grnnd.diagnostics.degree_summary(graph, below=2)
+    assert summary["min"] == 0 and summary["max"] == 2 and summary["mean"] == 1.0
+    assert summary["share_below_2"] == 0.75
+
+
+@pytest.fixture(scope="module")
+def many_clusters():
+    """400 clusters of 100 rows: a random start holds almost no neighbour from a row's cluster."""
+    x = clustered(40_400, 64, 400, seed=5)
+    data, queries = x[:40_000].contiguous(), x[40_000:].contiguous()
+    return data, queries, grnnd.knn(data, queries, 10)[1]
+
+
+def test_a_start_from_hubs_is_already_local(many_clusters):
+    data, queries, truth = many_clusters
+    short = dict(outer_iters=1, inner_iters=2, delta=0)  # two rounds: the start shows
+    recall = {start: grnnd.recall(grnnd.search(data, grnnd.build(data, start=start, **short), queries, 10,
+                                               list_size=32)[1], truth, 10)
+              for start in ("random", "hubs")}
+    assert recall["hubs"] > recall["random"] + 0.2, recall  # measured 0.62 against 0.23
+
+
+def test_convergence_stops_early_at_the_quality_of_every_round(many_clusters):
+    data, queries, truth = many_clusters
+    rounds = []
+    converged = grnnd.build(data, outer_iters=8, inner_iters=8, progress=lambda d, t: rounds.append(d))
+    every = grnnd.build(data, outer_iters=8, inner_iters=8, delta=0)
+    assert 8 < rounds[-1] < 40, rounds[-1]
+    at = {name: grnnd.recall(grnnd.search(data, g, queries, 10, list_size=32)[1], truth, 10)
+          for name, g in (("converged", converged), ("every", every))}
+    assert at["converged"] >= at["every"] - 0.01, at
+
+
+def test_hub_entries_are_ignored_without_hubs():
+    data = clustered(3000, 8, 10, seed=2)
+    graph = grnnd.build(data)
+    a = grnnd.search(data, graph, data[:50], 5, hub_entries=-1)
+    b = grnnd.search(data, graph, data[:50], 5, hub_entries=0)
+    assert torch.equal(a[1], b[1])
+    with pytest.raises(ValueError, match="hub_entries: expected -1"):
+        grnnd.search(data, graph, data[:5], 5, hub_entries=-2)
