@@ -508,21 +508,22 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
     const at::Tensor sq_norms = at::linalg_vector_norm(x, 2, {1}, false, at::kFloat).pow_(2);
     lift = (sq_norms.max() - sq_norms).clamp_min(0).sqrt().contiguous();
   }
-  // The start's cells (12 bytes a row, kept) and their scratch (freed here) come first.
-  const Cells cells = p.start == Start::kHubs ? partition_cells(x, lift) : Cells{};
-
   // Everything the rounds use, allocated once before the first kernel (section 3.5: no
   // allocation in the loop): 2 x [N, R] slots and distances, 2 x [N] counts, [N] locks, [N]
-  // change counts, the [N, degree] graph.
+  // change counts, the [N, degree] graph; and the start's cells (12 bytes a row). Checked
+  // before the cells are made: finding them costs time in proportion to N x hubs.
   const int64_t capacity = p.pool_size;
   const int64_t needed = 2 * n * capacity * static_cast<int64_t>(sizeof(uint32_t) + sizeof(float)) +
                          4 * n * static_cast<int64_t>(sizeof(int)) +
-                         n * p.degree * static_cast<int64_t>(sizeof(int32_t));
+                         n * p.degree * static_cast<int64_t>(sizeof(int32_t)) +
+                         (p.start == Start::kHubs ? 3 * n * static_cast<int64_t>(sizeof(int32_t)) : 0);
   const int64_t available = free_device_bytes(data.device().index());
   TORCH_CHECK_WITH(OutOfMemoryError, needed <= available, "build: needs ", human_bytes(needed), " of GPU memory on ",
                    data.device(), " for its pools (2 x N x pool_size x 8 bytes with N = ", n, ", pool_size = ",
                    capacity, ") and the graph, but only ", human_bytes(available),
                    " are free; lower pool_size or build on fewer rows at a time");
+  // The cells' scratch (a chunk of scores) is freed before the pools are allocated.
+  const Cells cells = p.start == Start::kHubs ? partition_cells(x, lift) : Cells{};
   const at::TensorOptions on_device = at::TensorOptions().device(data.device());
   at::Tensor slots, dists, counts, locks, changes, graph;
   try {
