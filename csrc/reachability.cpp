@@ -17,17 +17,6 @@ constexpr int kMaxPasses = 64;
 // Parents whose rows are rebuilt at once (their neighbours' rows are gathered in float32).
 constexpr int64_t kRowsPerChunk = 4096;
 
-// Squared l2 (plus the lift's term) from row from[i] to rows to[i, :]: float32 [k, m].
-at::Tensor pair_distances(const at::Tensor& x, const at::Tensor& lift, const at::Tensor& from, const at::Tensor& to) {
-  const at::Tensor a = x.index_select(0, from).to(at::kFloat).unsqueeze(1);
-  const at::Tensor b = x.index_select(0, to.flatten()).to(at::kFloat).view({to.size(0), to.size(1), -1});
-  at::Tensor d = (b - a).pow_(2).sum(2);
-  if (lift.defined()) {
-    d += (lift.index_select(0, to.flatten()).view_as(to) - lift.index_select(0, from).unsqueeze(1)).pow_(2);
-  }
-  return d;
-}
-
 // Adds the edge parent[i] -> child[i] to each parent's row (parents distinct): the row keeps
 // its degree - 1 nearest entries (so a full row drops its farthest) plus the child, re-sorted.
 void add_edges(at::Tensor& graph, const at::Tensor& x, const at::Tensor& lift, const at::Tensor& parent,
@@ -48,6 +37,16 @@ void add_edges(at::Tensor& graph, const at::Tensor& x, const at::Tensor& lift, c
 }
 
 }  // namespace
+
+at::Tensor pair_distances(const at::Tensor& x, const at::Tensor& lift, const at::Tensor& from, const at::Tensor& to) {
+  const at::Tensor a = x.index_select(0, from).to(at::kFloat).unsqueeze(1);
+  const at::Tensor b = x.index_select(0, to.flatten()).to(at::kFloat).view({to.size(0), to.size(1), -1});
+  at::Tensor d = (b - a).pow_(2).sum(2);
+  if (lift.defined()) {
+    d += (lift.index_select(0, to.flatten()).view_as(to) - lift.index_select(0, from).unsqueeze(1)).pow_(2);
+  }
+  return d;
+}
 
 at::Tensor reached_from(const at::Tensor& graph, const at::Tensor& sources) {
   const int64_t n = graph.size(0);

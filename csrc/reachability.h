@@ -18,6 +18,11 @@
 
 namespace grnnd {
 
+// The build's distance (squared l2 of the prepared rows x, plus the inner-product lift's term
+// where lift is defined) from row from[i] to each row to[i, :]: float32 [m, c] for int64 from [m]
+// and to [m, c].
+at::Tensor pair_distances(const at::Tensor& x, const at::Tensor& lift, const at::Tensor& from, const at::Tensor& to);
+
 // bool [n]: the vertices a walk along graph's edges reaches from `sources` (int64 ids).
 at::Tensor reached_from(const at::Tensor& graph, const at::Tensor& sources);
 

@@ -28,6 +28,7 @@ def main():
         grnnd.knn(data, data[:40], k, metric=metric)
     edge_sizes(g)
     hubs_and_repair(g)
+    segments(g)
     torch.cuda.synchronize()
     print("sanitizer workload done")
 
@@ -64,6 +65,21 @@ def hubs_and_repair(g: torch.Generator):
         grnnd.search(data, graph, data[-40:], 10, list_size=64, metric=metric)
         grnnd.search(data, graph, data[:3], 10, list_size=64, searches=8, metric=metric)
         grnnd.search_distance_counts(data, graph, data[:20], 10, hub_entries=8, metric=metric)
+
+
+def segments(g: torch.Generator):
+    """knn_segments in every variant: dimension passes of 4, 16 and 64 (two passes at 100), best k
+    in registers (8, 16, 32) and in the output row (40); examples empty, smaller than k and
+    larger than a tile; a block whose queries span examples; query indices out of range."""
+    sizes = torch.tensor([0, 3, 70, 1, 33, 0, 100], device="cuda")
+    ptr_x = torch.cat([torch.zeros(1, dtype=torch.long, device="cuda"), sizes.cumsum(0)])
+    batch_y = torch.randint(-1, sizes.numel() + 1, (150,), generator=g, device="cuda")
+    for dim in (3, 10, 64, 100):
+        x = torch.randn(int(sizes.sum()), dim, generator=g, device="cuda")
+        y = torch.randn(batch_y.numel(), dim, generator=g, device="cuda")
+        for k in (1, 16, 20, 40):
+            torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y.sort().values, k)
+            torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y, k)
 
 
 if __name__ == "__main__":

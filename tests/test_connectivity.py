@@ -44,10 +44,33 @@ def test_every_vertex_is_reachable_from_the_hubs(device):
     assert hubs.numel() == 100
     reached = grnnd.diagnostics.reachable(graph, hubs)
     assert reached.all(), f"{int((~reached).sum())} vertices unreachable"
-    # The repair keeps each row ascending by distance.
+    # The repairs keep each row ascending by distance, without repeats or the row itself, and
+    # leave no row with fewer than 8 entries.
     ids = graph.long()
     dist = (data[ids.clamp_min(0)] - data[:, None]).pow(2).sum(2).masked_fill(ids < 0, float("inf"))
     assert (dist[:, 1:] >= dist[:, :-1] * (1 - 1e-4) - 1e-4).all()
+    assert_rows_well_formed(graph)
+    assert grnnd.diagnostics.degree_summary(graph)["min"] >= 8
+
+
+def assert_rows_well_formed(graph: torch.Tensor):
+    ids = graph.long()
+    padded = ids < 0
+    assert not (padded[:, :-1] & ~padded[:, 1:]).any(), "padding before an entry"
+    assert not (ids == torch.arange(ids.shape[0], device=ids.device)[:, None]).any(), "a row holds itself"
+    sorted_ids = ids.sort(1).values
+    assert not ((sorted_ids[:, 1:] == sorted_ids[:, :-1]) & (sorted_ids[:, 1:] >= 0)).any(), "a repeated entry"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_short_rows_are_filled_from_two_hops(many_clusters, device):
+    # The relative-neighbourhood rule leaves many rows of a dense cluster with one or two entries
+    # (about a quarter under 8 on clustered data): every row ends with at least 8.
+    data = many_clusters[0].to(device)
+    graph = grnnd.build(data)
+    summary = grnnd.diagnostics.degree_summary(graph)
+    assert summary["min"] >= 8 and summary["share_below_8"] == 0.0, summary
+    assert_rows_well_formed(graph)
 
 
 def test_diagnostics_by_hand():

@@ -142,3 +142,61 @@ def test_cuda_equals_cpu_on_point_cloud_batches(dim, k):
     cpu = knn_graph(x, k, batch, batch_size=32)
     gpu = knn_graph(x.cuda(), k, batch.cuda(), batch_size=32)
     assert torch.equal(cpu, gpu.cpu())
+
+
+SEGMENT_SIZES = [0, 1, 5, 40, 150, 64, 3, 0]  # empty, smaller and larger than k, a multiple of the tile
+
+
+def segment_problem(dim: int, seed: int, sorted_queries: bool):
+    """x in examples of SEGMENT_SIZES, with ptr_x; queries of every example (and of none: index
+    -1 and one past the last) in batch order or shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.tensor(SEGMENT_SIZES)
+    ptr_x = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+    x = torch.randn(int(sizes.sum()), dim, generator=g)
+    batch_y = torch.randint(-1, len(SEGMENT_SIZES) + 1, (300,), generator=g)
+    batch_y = batch_y.sort().values if sorted_queries else batch_y
+    y = torch.randn(batch_y.numel(), dim, generator=g)
+    return x, y, ptr_x, batch_y
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dim", [3, 64])
+def test_knn_segments_matches_faiss_per_example(device, dim):
+    faiss = pytest.importorskip("faiss")
+    k = 10
+    x, y, ptr_x, batch_y = segment_problem(dim, seed=dim, sorted_queries=True)
+    dists, ids = torch.ops.grnnd.knn_segments(x.to(device), y.to(device), ptr_x.to(device), batch_y.to(device), k)
+    dists, ids = dists.cpu(), ids.cpu()
+    for b in range(len(SEGMENT_SIZES)):
+        queries = (batch_y == b).nonzero().flatten()
+        begin, end = int(ptr_x[b]), int(ptr_x[b + 1])
+        take = min(k, end - begin)
+        if queries.numel() == 0:
+            continue
+        assert (ids[queries, take:] == -1).all() and torch.isinf(dists[queries, take:]).all()
+        if take == 0:
+            continue
+        index = faiss.IndexFlatL2(dim)
+        index.add(x[begin:end].numpy())
+        want_d, want_i = index.search(y[queries].numpy(), take)
+        assert torch.equal(ids[queries, :take], torch.from_numpy(want_i) + begin)
+        assert torch.allclose(dists[queries, :take], torch.from_numpy(want_d), rtol=1e-4, atol=1e-4)
+    outside = (batch_y < 0) | (batch_y >= len(SEGMENT_SIZES))
+    assert outside.any() and (ids[outside] == -1).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dim", [3, 6, 17, 64, 130])
+@pytest.mark.parametrize("k", [1, 9, 20, 33, 200])
+@pytest.mark.parametrize("sorted_queries", [True, False])
+def test_knn_segments_cuda_equals_cpu_bit_for_bit(dim, k, sorted_queries):
+    # Every kernel variant (dimension passes of 4, 16 and 64; best k in registers or in the
+    # output row), queries in batch order or shuffled: the same neighbours and distances.
+    x, y, ptr_x, batch_y = segment_problem(dim, seed=dim + k, sorted_queries=sorted_queries)
+    x[7] = x[6]  # an exact tie: the lower row comes first on both
+    cpu = torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y, k)
+    gpu = torch.ops.grnnd.knn_segments(x.cuda(), y.cuda(), ptr_x.cuda(), batch_y.cuda(), k)
+    assert torch.equal(cpu[1], gpu[1].cpu())
+    assert torch.equal(cpu[0], gpu[0].cpu())

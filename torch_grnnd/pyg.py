@@ -3,11 +3,9 @@
 ``from torch_grnnd.pyg import knn_graph`` replaces ``from torch_cluster import knn_graph``: the
 same arguments in the same order with the same defaults, and the same edges. Examples are
 batched as PyG batches them (a sorted ``batch`` vector); every example of a batch is searched in
-one call of ``torch.ops.grnnd.knn_segments``, exactly, each query among the rows of its own
-example only. Passing ``batch_size`` (the number of examples) spares the host synchronisation
-that reading it from ``batch`` costs. That op has a CPU kernel only so far: CUDA inputs are
-searched on the CPU and the edges returned on their device (a copy each way and a host
-synchronisation per call), so on a GPU this module is correct but not yet fast.
+one call of ``torch.ops.grnnd.knn_segments`` (one kernel launch on a GPU), exactly, each query
+among the rows of its own example only. Passing ``batch_size`` (the number of examples) spares
+the host synchronisation that reading it from ``batch`` costs.
 
 Semantics, as torch_cluster's:
   - ``knn(x, y, k)`` returns ``[2, E]`` with row 0 the index into ``y`` and row 1 the index into
@@ -153,11 +151,7 @@ def _segments(x: Tensor, y: Tensor, batch_x: Optional[Tensor], batch_y: Optional
 
 
 def _knn_segments(xs: Tensor, ys: Tensor, ptr_x: Tensor, batch_y: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    """``knn_segments`` on the CPU kernel (the only one so far), its results on ``ys``'s device."""
-    if xs.device.type == "cpu":
-        return torch.ops.grnnd.knn_segments.default(xs, ys, ptr_x, batch_y, k)
-    dists, ids = torch.ops.grnnd.knn_segments.default(xs.cpu(), ys.cpu(), ptr_x.cpu(), batch_y.cpu(), k)
-    return dists.to(ys.device), ids.to(ys.device)
+    return torch.ops.grnnd.knn_segments.default(xs, ys, ptr_x, batch_y, k)
 
 
 def _search_space(points: Tensor, cosine: bool) -> Tensor:

@@ -1,5 +1,5 @@
-// Exact k nearest neighbours within segments. CPU only so far: torch_grnnd.pyg brings CUDA
-// inputs here and back (a one-launch CUDA kernel is the next step of the PyG work).
+// Exact k nearest neighbours within segments on the CPU: the twin of
+// csrc/cuda/knn_segments_cuda.cu, which returns the same neighbours and distances.
 //
 // A batch of small examples (point clouds, graphs) in one call, as PyTorch Geometric batches
 // them: the rows of example b of `x` are ptr_x[b] .. ptr_x[b + 1], and query i of `y` looks

@@ -22,6 +22,7 @@
 #include "../build_schedule.h"
 #include "../checks.h"
 #include "../hubs.h"
+#include "../min_degree.h"
 #include "../philox.h"
 #include "../reachability.h"
 #include "vectors_cuda.cuh"
@@ -559,8 +560,9 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index());
   GRNND_DISPATCH_STORAGE(x.scalar_type(), "grnnd_build_cuda",
                          [&] { dispatch_team<scalar_t>(x, pools, args, p, graph.data_ptr<int32_t>(), changes, stream); });
-  // The pools are no longer needed; the repair's own scratch is small.
+  // The pools are no longer needed; the repairs' own scratch is small.
   slots = dists = at::Tensor();
+  fill_short_rows(graph, x, lift);
   connect_unreachable(graph, data, metric, x, lift);
   return graph;
 }

@@ -1,0 +1,281 @@
+// Exact k nearest neighbours within segments on the GPU: the twin of
+// csrc/cpu/knn_segments_cpu.cpp, for batches of many small examples in one launch (PyTorch
+// Geometric's point clouds and graphs; torch_grnnd/pyg.py).
+//
+// One thread per query, kQueries consecutive queries per block. PyG sorts batch_y, so a block's
+// queries fall in one example or two: the block walks the union of their row ranges in tiles of
+// kTileRows rows staged in shared memory, where every lane of a warp reads the same row at once
+// (a broadcast), and each thread keeps the candidates of its own example only. An unsorted
+// batch_y gives the same results; only the union, and so the work, grows.
+//
+// The best k of each query: for k <= 32, sorted in registers (K = 8, 16, 24 or 32 slots, filled
+// by an unrolled insertion that never indexes a register array at run time); for larger k, in
+// the query's output row, as the CPU keeps them. Both insert a candidate behind those at
+// an equal distance, and candidates arrive in row order, so ties go to the lower row. Distances
+// add the squared differences in dimension order without fused multiply-adds, the CPU kernel's
+// exact arithmetic: both kernels return the same neighbours, bit for bit the same distances.
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <limits>
+
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "vectors_cuda.cuh"
+
+namespace grnnd {
+namespace cuda {
+namespace {
+
+constexpr int kQueries = 64;   // threads per block, one query each
+constexpr int kTileRows = 32;  // candidate rows per shared-memory tile
+constexpr int kRowGroup = 4;   // rows whose distances are computed before any is inserted
+constexpr int kWideChunk = 64;  // dimensions per pass of the widest variant
+constexpr int kMaxRegisterK = 32;
+
+// The CPU's per-dimension step, d += (q - r)^2, rounded the same way (no contraction to an FMA).
+__device__ __forceinline__ float add_square(float d, float q, float r) {
+  const float diff = __fsub_rn(q, r);
+  return __fadd_rn(d, __fmul_rn(diff, diff));
+}
+
+// The best K (distance, row) pairs seen so far, ascending, in registers.
+template <int K>
+struct RegisterBest {
+  float d[K];
+  int32_t i[K];
+
+  __device__ void init() {
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      d[j] = std::numeric_limits<float>::infinity();
+      i[j] = -1;
+    }
+  }
+
+  __device__ __forceinline__ float worst() const { return d[K - 1]; }
+
+  // Entries farther than `dist` move up one slot; the candidate takes the slot above the last
+  // entry at most as far (so after equal distances). The farthest entry falls off the end.
+  __device__ __forceinline__ void insert(float dist, int32_t row) {
+    if (!(dist < d[K - 1])) return;
+#pragma unroll
+    for (int j = K - 1; j > 0; --j) {
+      if (d[j - 1] > dist) {
+        d[j] = d[j - 1];
+        i[j] = i[j - 1];
+      } else if (d[j] > dist) {
+        d[j] = dist;
+        i[j] = row;
+      }
+    }
+    if (d[0] > dist) {
+      d[0] = dist;
+      i[0] = row;
+    }
+  }
+
+  __device__ void store(float* out_d, int64_t* out_i, int k) const {
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      if (j < k) {
+        out_d[j] = d[j];
+        out_i[j] = i[j];
+      }
+    }
+  }
+};
+
+// The best k kept in the output row itself (initialised to +inf / -1), for k > kMaxRegisterK.
+struct RowBest {
+  float* d;
+  int64_t* i;
+  int k;
+  float worst_;  // d[k - 1], kept in a register
+
+  // A thread past the last query has no row: it gets worst = -inf and so never inserts.
+  __device__ void init() { worst_ = d != nullptr ? d[k - 1] : -std::numeric_limits<float>::infinity(); }
+
+  __device__ __forceinline__ float worst() const { return worst_; }
+
+  __device__ __forceinline__ void insert(float dist, int32_t row) {
+    if (!(dist < worst_)) return;
+    int p = k - 1;
+    for (; p > 0 && d[p - 1] > dist; --p) {
+      d[p] = d[p - 1];
+      i[p] = i[p - 1];
+    }
+    d[p] = dist;
+    i[p] = row;
+    worst_ = d[k - 1];
+  }
+
+  __device__ void store(float*, int64_t*, int) const {}
+};
+
+struct SegmentArgs {
+  const float* x;      // [nx, dim]
+  const float* y;      // [ny, dim]
+  const int64_t* ptr;  // [examples + 1]
+  const int64_t* batch;  // [ny]
+  int64_t nx, ny, examples;
+  int dim, k;
+  float* out_d;    // [ny, k], +inf filled
+  int64_t* out_i;  // [ny, k], -1 filled
+};
+
+// kDimChunk: dimensions staged per pass (a multiple of 4); the query's share of them sits in
+// registers. Best: RegisterBest<K> or RowBest.
+template <int kDimChunk, typename Best>
+__global__ void __launch_bounds__(kQueries) knn_segments_kernel(SegmentArgs a) {
+  static_assert(kDimChunk % 4 == 0, "tile rows are read as float4");
+  static_assert(kTileRows % kRowGroup == 0, "tiles are walked in groups of rows");
+  // Only the widest variant meets rows of more than one pass; it keeps each thread's sums of the
+  // passes so far per tile row (a column per thread: no bank conflicts).
+  constexpr bool kPasses = kDimChunk == kWideChunk;
+  __shared__ float4 tile[kTileRows][kDimChunk / 4];
+  __shared__ float partial[kPasses ? kTileRows : 1][kQueries];
+  __shared__ unsigned long long s_begin, s_end;
+  const int64_t query = static_cast<int64_t>(blockIdx.x) * kQueries + threadIdx.x;
+  const SegmentRange own =
+      query < a.ny ? segment_range(a.ptr, a.examples, a.nx, a.batch[query]) : SegmentRange{0, 0};
+
+  if (threadIdx.x == 0) {
+    s_begin = ULLONG_MAX;
+    s_end = 0;
+  }
+  __syncthreads();
+  if (own.end > own.begin) {
+    atomicMin(&s_begin, static_cast<unsigned long long>(own.begin));
+    atomicMax(&s_end, static_cast<unsigned long long>(own.end));
+  }
+  __syncthreads();
+  if (s_begin >= s_end) return;  // no thread of the block has a candidate (block-uniform)
+  const int64_t begin = static_cast<int64_t>(s_begin), end = static_cast<int64_t>(s_end);
+
+  Best best;
+  if constexpr (std::is_same_v<Best, RowBest>) {
+    best.d = query < a.ny ? a.out_d + query * a.k : nullptr;
+    best.i = query < a.ny ? a.out_i + query * a.k : nullptr;
+    best.k = a.k;
+  }
+  best.init();
+
+  const float* q_row = a.y + (query < a.ny ? query : 0) * a.dim;
+  const bool one_pass = a.dim <= kDimChunk;
+  float q[kDimChunk];
+  auto load_query = [&](int j0) {
+#pragma unroll
+    for (int j = 0; j < kDimChunk; ++j) q[j] = j0 + j < a.dim ? q_row[j0 + j] : 0.0f;
+  };
+  if (one_pass) load_query(0);
+
+  float* staged = reinterpret_cast<float*>(tile);
+  for (int64_t t0 = begin; t0 < end; t0 += kTileRows) {
+    const int rows_here = static_cast<int>(std::min<int64_t>(kTileRows, end - t0));
+    for (int j0 = 0; j0 < a.dim; j0 += kDimChunk) {
+      if (!one_pass) load_query(j0);
+      __syncthreads();  // the previous pass is done reading the tile
+      for (int e = threadIdx.x; e < kTileRows * kDimChunk; e += kQueries) {
+        const int r = e / kDimChunk, j = e % kDimChunk;
+        staged[e] = r < rows_here && j0 + j < a.dim ? a.x[(t0 + r) * a.dim + j0 + j] : 0.0f;
+      }
+      __syncthreads();
+      const bool first = j0 == 0, last = j0 + kDimChunk >= a.dim;
+      // A group of rows at a time: their distances are independent chains the scheduler can
+      // interleave. Padding adds (0 - 0)^2 = +0 after the real dimensions, which leaves each sum
+      // as it was; rows past rows_here are outside every thread's example.
+      for (int r0 = 0; r0 < rows_here; r0 += kRowGroup) {
+        float d[kRowGroup];
+#pragma unroll
+        for (int g = 0; g < kRowGroup; ++g) {
+          d[g] = first ? 0.0f : partial[kPasses ? r0 + g : 0][threadIdx.x];
+#pragma unroll
+          for (int j = 0; j < kDimChunk / 4; ++j) {
+            const float4 v = tile[r0 + g][j];
+            d[g] = add_square(d[g], q[4 * j], v.x);
+            d[g] = add_square(d[g], q[4 * j + 1], v.y);
+            d[g] = add_square(d[g], q[4 * j + 2], v.z);
+            d[g] = add_square(d[g], q[4 * j + 3], v.w);
+          }
+        }
+        if (!last) {
+#pragma unroll
+          for (int g = 0; g < kRowGroup; ++g) partial[kPasses ? r0 + g : 0][threadIdx.x] = d[g];
+          continue;
+        }
+        // Most candidates lose to the current k-th best: the insertion runs only where some lane
+        // of the warp accepts (a vote, so a branch, not an insertion predicated on every row).
+#pragma unroll
+        for (int g = 0; g < kRowGroup; ++g) {
+          const int64_t row = t0 + r0 + g;
+          const bool accept = row >= own.begin && row < own.end && d[g] < best.worst();
+          if (__any_sync(kFullMask, accept)) {
+            if (accept) best.insert(d[g], static_cast<int32_t>(row));
+          }
+        }
+      }
+    }
+  }
+  if (query < a.ny) best.store(a.out_d + query * a.k, a.out_i + query * a.k, a.k);
+}
+
+template <int kDimChunk>
+void launch_for_k(const SegmentArgs& args, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((args.ny + kQueries - 1) / kQueries));
+  if (args.k <= 8) {
+    knn_segments_kernel<kDimChunk, RegisterBest<8>><<<grid, kQueries, 0, stream>>>(args);
+  } else if (args.k <= 16) {
+    knn_segments_kernel<kDimChunk, RegisterBest<16>><<<grid, kQueries, 0, stream>>>(args);
+  } else if (args.k <= 24) {  // k = 20 (DGCNN) and knn_graph's k + 1 for k = 16
+    knn_segments_kernel<kDimChunk, RegisterBest<24>><<<grid, kQueries, 0, stream>>>(args);
+  } else if (args.k <= kMaxRegisterK) {
+    knn_segments_kernel<kDimChunk, RegisterBest<kMaxRegisterK>><<<grid, kQueries, 0, stream>>>(args);
+  } else {
+    knn_segments_kernel<kDimChunk, RowBest><<<grid, kQueries, 0, stream>>>(args);
+  }
+  check_launch();
+}
+
+std::tuple<at::Tensor, at::Tensor> knn_segments_cuda(const at::Tensor& x, const at::Tensor& y,
+                                                     const at::Tensor& ptr_x, const at::Tensor& batch_y, int64_t k) {
+  check_knn_segments_inputs(x, y, ptr_x, batch_y, k);
+  TORCH_CHECK_VALUE(k < std::numeric_limits<int>::max(), "k: expected fewer than 2^31 - 1, got ", k);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  const at::Tensor xs = x.contiguous(), ys = y.contiguous();
+  const at::Tensor ptr = ptr_x.contiguous(), batch = batch_y.contiguous();
+  at::Tensor out_d = at::full({ys.size(0), k}, std::numeric_limits<float>::infinity(), ys.options());
+  at::Tensor out_i = at::full({ys.size(0), k}, -1, ys.options().dtype(at::kLong));
+  if (ys.size(0) == 0 || xs.size(0) == 0) return {out_d, out_i};
+
+  SegmentArgs args;
+  args.x = xs.data_ptr<float>();
+  args.y = ys.data_ptr<float>();
+  args.ptr = ptr.data_ptr<int64_t>();
+  args.batch = batch.data_ptr<int64_t>();
+  args.nx = xs.size(0);
+  args.ny = ys.size(0);
+  args.examples = ptr.size(0) - 1;
+  args.dim = static_cast<int>(xs.size(1));
+  args.k = static_cast<int>(k);
+  args.out_d = out_d.data_ptr<float>();
+  args.out_i = out_i.data_ptr<int64_t>();
+  // Point clouds (3 to 6 coordinates), small features, and wide features in passes of 64.
+  if (args.dim <= 4) {
+    launch_for_k<4>(args, stream);
+  } else if (args.dim <= 16) {
+    launch_for_k<16>(args, stream);
+  } else {
+    launch_for_k<kWideChunk>(args, stream);
+  }
+  return {out_d, out_i};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(grnnd, CUDA, m) { m.impl("knn_segments", &knn_segments_cuda); }
+
+}  // namespace cuda
+}  // namespace grnnd
