@@ -80,6 +80,13 @@ def segments(g: torch.Generator):
         for k in (1, 16, 20, 40):
             torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y.sort().values, k)
             torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y, k)
+    # Many small examples in one launch: 4 000 of 1 to 39 rows.
+    many = torch.randint(1, 40, (4000,), generator=g, device="cuda")
+    ptr_x = torch.cat([torch.zeros(1, dtype=torch.long, device="cuda"), many.cumsum(0)])
+    batch = torch.repeat_interleave(torch.arange(4000, device="cuda"), many)
+    x = torch.randn(batch.numel(), 3, generator=g, device="cuda")
+    for k in (16, 40):
+        torch.ops.grnnd.knn_segments(x, x, ptr_x, batch, k)
 
 
 if __name__ == "__main__":

@@ -200,3 +200,18 @@ def test_knn_segments_cuda_equals_cpu_bit_for_bit(dim, k, sorted_queries):
     gpu = torch.ops.grnnd.knn_segments(x.cuda(), y.cuda(), ptr_x.cuda(), batch_y.cuda(), k)
     assert torch.equal(cpu[1], gpu[1].cpu())
     assert torch.equal(cpu[0], gpu[0].cpu())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("k", [5, 40])
+def test_knn_segments_cuda_equals_cpu_on_large_batches(k):
+    # A batch of many small examples, some smaller than k: 700 examples of 1 to 199 rows.
+    g = torch.Generator().manual_seed(k)
+    sizes = torch.randint(1, 200, (700,), generator=g)
+    ptr_x = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+    batch = torch.repeat_interleave(torch.arange(700), sizes)
+    x = torch.randn(batch.numel(), 6, generator=g)
+    cpu = torch.ops.grnnd.knn_segments(x, x, ptr_x, batch, k)
+    gpu = torch.ops.grnnd.knn_segments(x.cuda(), x.cuda(), ptr_x.cuda(), batch.cuda(), k)
+    assert torch.equal(cpu[1], gpu[1].cpu()) and torch.equal(cpu[0], gpu[0].cpu())

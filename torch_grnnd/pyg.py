@@ -52,14 +52,9 @@ def knn(x: Tensor, y: Tensor, k: int, batch_x: Optional[Tensor] = None, batch_y:
         approximate: bool = False, return_distances: bool = False) -> EdgeIndex:
     """For each row of ``y``, its ``k`` nearest rows of ``x`` in the same example: ``[2, E]``,
     row 0 indexing ``y``, row 1 indexing ``x``. See the module docstring for the semantics."""
-    if k < 1:
-        raise ValueError(f"k: expected >= 1, got {k}")
-    x, y, segments = _segments(x, y, batch_x, batch_y, batch_size)
-    if segments is None:
-        return _edges(x, y, _empty_edges(x), cosine, return_distances)
-    xs, ys = _search_space(x, cosine), _search_space(y, cosine)
-    ids = _approximate(xs, ys, *segments, k) if approximate else _knn_segments(xs, ys, *segments, k)[1]
-    return _edges(x, y, _found_edges(ids, ids >= 0), cosine, return_distances)
+    x, y, ids = _knn_ids(x, y, k, batch_x, batch_y, cosine, batch_size, approximate)
+    edge_index = _empty_edges(x) if ids is None else _found_edges(ids, ids >= 0)
+    return _edges(x, y, edge_index, cosine, return_distances)
 
 
 def knn_graph(x: Tensor, k: int, batch: Optional[Tensor] = None, loop: bool = False,
@@ -69,9 +64,15 @@ def knn_graph(x: Tensor, k: int, batch: Optional[Tensor] = None, loop: bool = Fa
     """The k-NN graph of the rows of ``x``, each example on its own: ``[2, E]``. With
     ``flow="source_to_target"`` row 0 holds the neighbour and row 1 the point."""
     _check_flow(flow)
-    found = knn(x, x, k if loop else k + 1, batch, batch, cosine, num_workers, batch_size,
-                approximate=approximate, return_distances=return_distances)
-    return _graph_edges(found, loop, flow, return_distances)
+    x, _, ids = _knn_ids(x, x, k if loop else k + 1, batch, batch, cosine, batch_size, approximate)
+    if ids is None:
+        edge_index = _empty_edges(x)
+    else:  # the self edges go in the same pass that drops the missing neighbours
+        found = ids >= 0
+        if not loop:
+            found &= ids != torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+        edge_index = _found_edges(ids, found)
+    return _edges(x, x, edge_index, cosine, return_distances, flow)
 
 
 def radius(x: Tensor, y: Tensor, r: float, batch_x: Optional[Tensor] = None, batch_y: Optional[Tensor] = None,
@@ -108,6 +109,20 @@ def _as_points(t: Tensor, name: str) -> Tensor:
     if not t.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
     return t
+
+
+def _knn_ids(x: Tensor, y: Tensor, k: int, batch_x: Optional[Tensor], batch_y: Optional[Tensor], cosine: bool,
+             batch_size: Optional[int], approximate: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """``x`` and ``y`` as points, and the ids [len(y), k] of each query's nearest rows of its
+    example (-1 where it has fewer), or None when either set has no rows."""
+    if k < 1:
+        raise ValueError(f"k: expected >= 1, got {k}")
+    x, y, segments = _segments(x, y, batch_x, batch_y, batch_size)
+    if segments is None:
+        return x, y, None
+    xs, ys = _search_space(x, cosine), _search_space(y, cosine)
+    ids = _approximate(xs, ys, *segments, k) if approximate else _knn_segments(xs, ys, *segments, k)[1]
+    return x, y, ids
 
 
 def _check_flow(flow: str) -> None:
@@ -178,15 +193,22 @@ def _approximate(xs: Tensor, ys: Tensor, ptr_x: Tensor, batch_y: Tensor, k: int)
 
 
 def _found_edges(ids: Tensor, found: Tensor) -> Tensor:
-    """[2, E]: (query, row) for every entry of ids [len(y), k] that ``found`` marks."""
-    queries = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(ids)
-    return torch.stack([queries[found], ids[found]])
+    """[2, E]: (query, row) for every entry of ids [len(y), k] that ``found`` marks, in row-major
+    order (one host synchronisation: the number of edges)."""
+    at = found.nonzero()
+    return torch.stack([at[:, 0], ids[at[:, 0], at[:, 1]]])
 
 
-def _edges(x: Tensor, y: Tensor, edge_index: Tensor, cosine: bool, return_distances: bool) -> EdgeIndex:
+def _edges(x: Tensor, y: Tensor, edge_index: Tensor, cosine: bool, return_distances: bool,
+           flow: str = "target_to_source") -> EdgeIndex:
+    """(query, row) edges as returned: for a graph with flow="source_to_target" the row comes
+    first; with return_distances, each edge's distance too."""
+    if flow == "source_to_target":
+        edge_index = edge_index.flip(0)
     if not return_distances:
         return edge_index
-    a, b = y[edge_index[0]].float(), x[edge_index[1]].float()
+    query, row = (edge_index[1], edge_index[0]) if flow == "source_to_target" else (edge_index[0], edge_index[1])
+    a, b = y[query].float(), x[row].float()
     if cosine:
         dists = 1 - torch.nn.functional.cosine_similarity(a, b, dim=-1)
     else:
@@ -195,11 +217,13 @@ def _edges(x: Tensor, y: Tensor, edge_index: Tensor, cosine: bool, return_distan
 
 
 def _graph_edges(found: EdgeIndex, loop: bool, flow: str, return_distances: bool) -> EdgeIndex:
+    """A graph's edges from knn/radius results of x against itself: self edges dropped unless
+    ``loop``, and rows swapped for flow="source_to_target"."""
     edge_index, dists = found if return_distances else (found, None)
-    row, col = (edge_index[1], edge_index[0]) if flow == "source_to_target" else (edge_index[0], edge_index[1])
     if not loop:
-        keep = row != col
-        row, col = row[keep], col[keep]
+        keep = (edge_index[0] != edge_index[1]).nonzero().flatten()
+        edge_index = edge_index[:, keep]
         dists = dists[keep] if dists is not None else None
-    edge_index = torch.stack([row, col])
+    if flow == "source_to_target":
+        edge_index = edge_index.flip(0)
     return (edge_index, dists) if return_distances else edge_index

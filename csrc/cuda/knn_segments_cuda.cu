@@ -10,10 +10,16 @@
 //
 // The best k of each query: for k <= 32, sorted in registers (K = 8, 16, 24 or 32 slots, filled
 // by an unrolled insertion that never indexes a register array at run time); for larger k, in
-// the query's output row, as the CPU keeps them. Both insert a candidate behind those at
-// an equal distance, and candidates arrive in row order, so ties go to the lower row. Distances
-// add the squared differences in dimension order without fused multiply-adds, the CPU kernel's
-// exact arithmetic: both kernels return the same neighbours, bit for bit the same distances.
+// the query's output row, as the CPU keeps them. Both insert a candidate behind those at an
+// equal distance, and candidates arrive in row order, so ties go to the lower row. Distances add
+// the squared differences in dimension order without fused multiply-adds, the CPU kernel's exact
+// arithmetic: both kernels return the same neighbours and bit for bit the same distances.
+//
+// Measured on an H100 (benchmarks/bench_pyg.py): the kernel takes 0.41 ms for 32 clouds x 1024
+// points, d = 3, k = 20, at about 10% occupancy (1 024 warps in all). Four threads per query,
+// each taking a quarter of the rows and merging lists at the end, made it slower (1.48 ms
+// against 0.85 ms for the whole knn_graph call): with 1 024 candidates a query's time goes to
+// insertions, and four lists take four times as many.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
