@@ -39,9 +39,22 @@ void add_edges(at::Tensor& graph, const at::Tensor& x, const at::Tensor& lift, c
 }  // namespace
 
 at::Tensor pair_distances(const at::Tensor& x, const at::Tensor& lift, const at::Tensor& from, const at::Tensor& to) {
-  const at::Tensor a = x.index_select(0, from).to(at::kFloat).unsqueeze(1);
-  const at::Tensor b = x.index_select(0, to.flatten()).to(at::kFloat).view({to.size(0), to.size(1), -1});
-  at::Tensor d = (b - a).pow_(2).sum(2);
+  // |b - a|^2 = |a|^2 + |b|^2 - 2 <a, b>: one batched product over the gathered rows, kept in
+  // their storage type on the GPU (tensor cores, float32 results), and norms reduced in float32
+  // straight from it. Forming b - a in float32 instead moved about five times the bytes: the
+  // minimum out-degree fill of 4M x 384 float16 rows spent most of its 0.5 s on it (H100).
+  const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+  const bool native = half && x.is_cuda();
+  at::Tensor a = x.index_select(0, from);
+  at::Tensor b = x.index_select(0, to.flatten()).view({to.size(0), to.size(1), -1});
+  if (!native) {
+    a = a.to(at::kFloat);
+    b = b.to(at::kFloat);
+  }
+  const at::Tensor dot = native ? at::bmm(b, a.unsqueeze(2), at::kFloat) : at::bmm(b, a.unsqueeze(2));
+  const at::Tensor a_norm = at::linalg_vector_norm(a, 2, {1}, false, at::kFloat).square_();
+  const at::Tensor b_norm = at::linalg_vector_norm(b, 2, {2}, false, at::kFloat).square_();
+  at::Tensor d = (b_norm + a_norm.unsqueeze(1)).sub_(dot.squeeze(2), 2).clamp_min_(0);
   if (lift.defined()) {
     d += (lift.index_select(0, to.flatten()).view_as(to) - lift.index_select(0, from).unsqueeze(1)).pow_(2);
   }
