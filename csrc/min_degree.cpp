@@ -9,10 +9,9 @@
 namespace grnnd {
 namespace {
 
-// Scratch of one chunk of rows (their candidates' rows gathered in float32): as much as the
-// graph takes twice over, which the build's pools (freed before) took many times, within these
-// bounds. Chunks of 256 MiB made the fill of 4M x 384 rows take 0.57 s (H100): most of that
-// time went to launching and synchronising the per-chunk operations.
+// Scratch of one chunk of rows (their candidates' rows gathered, counted as float32): as much
+// as the graph takes twice over, within these bounds; the build's pools, freed before the fill,
+// took several times that, so the fill does not raise the build's peak.
 constexpr int64_t kMinChunkBytes = int64_t{1} << 26;
 constexpr int64_t kMaxChunkBytes = int64_t{1} << 31;
 // A row whose neighbours' rows are short too finds few candidates in one pass; the next pass

@@ -164,8 +164,25 @@ def test_knn_graph_edge_index_follows_pyg():
     assert torch.equal(edge_index[0], ids.reshape(-1))
     flipped = grnnd.knn_graph(data, 5, exact=True, flow="target_to_source")
     assert torch.equal(flipped, edge_index.flip(0))
-    with_loops = grnnd.knn_graph(data, 5, exact=True, loop=True)
-    assert with_loops.shape == (2, 3600) and (with_loops[0] == with_loops[1]).sum() == 600
+    with_loops = grnnd.knn_graph(data, 5, exact=True, loop=True)  # the loop is one of the 5
+    assert with_loops.shape == (2, 3000) and (with_loops[0] == with_loops[1]).sum() == 600
+    assert torch.equal(with_loops[0].view(600, 5)[:, 1:], edge_index[0].view(600, 5)[:, :4])
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_knn_graph_has_torch_clusters_loop_and_small_example_semantics(loop):
+    # Examples of 1, 3 and 40 points with k = 5: the small ones give each point what they have.
+    from torch_grnnd.pyg import knn_graph as cluster_style
+    sizes = [1, 3, 40]
+    batch = torch.repeat_interleave(torch.arange(3), torch.tensor(sizes))
+    x = clustered(44, 4, 3, seed=9)
+    edge_index, dists = grnnd.knn_graph(x, 5, batch, exact=True, loop=loop, return_distances=True)
+    want = cluster_style(x, 5, batch, loop=loop)
+    assert set(map(tuple, edge_index.t().tolist())) == set(map(tuple, want.t().tolist()))
+    per_point = torch.bincount(edge_index[1], minlength=44)
+    expected = [1 if loop else 0] + [3 if loop else 2] * 3 + [5] * 40
+    assert per_point.tolist() == expected
+    torch.testing.assert_close(dists, (x[edge_index[0]] - x[edge_index[1]]).pow(2).sum(1), rtol=1e-5, atol=1e-5)
 
 
 def quality(data, queries, truth, **build_params):

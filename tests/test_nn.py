@@ -41,7 +41,7 @@ def test_batch_equals_separate_graphs_and_skips_missing_examples():
 @pytest.mark.parametrize(
     "batch, k, error, match",
     [
-        (torch.tensor([0] * 30 + [1] * 5 + [2] * 25), 5, ValueError, r"k: expected k < 5.*example 1 has 5 points"),
+        (torch.tensor([0] * 30 + [1] * 5 + [2] * 25), 0, ValueError, r"k: expected >= 1, got 0"),
         (torch.tensor([1] * 30 + [0] * 30), 3, ValueError, "batch: expected example indices sorted"),
         (torch.tensor([0] * 30 + [1] * 20 + [0] * 10), 3, ValueError, "batch: expected example indices sorted"),
         (torch.zeros(59, dtype=torch.long), 3, ValueError, r"batch: expected shape \[60\]"),

@@ -27,19 +27,21 @@ def knn_graph(
 
     Approximate by default (a GRNND graph, then a graph search from every row); ``exact=True``
     uses exact k-NN. Follows ``torch_cluster.knn_graph``: with ``flow="source_to_target"``
-    edges run from each neighbour (row 0) to the point it is a neighbour of (row 1), and with
-    ``batch`` every example gets its own graph (ids stay global, no edge joins two examples).
+    edges run from each neighbour (row 0) to the point it is a neighbour of (row 1), with
+    ``loop=True`` the point counts as one of its own k nearest (its self loop and k - 1 others),
+    and with ``batch`` every example gets its own graph (ids stay global, no edge joins two
+    examples). An example with too few points gives each point all the others it has, so the
+    graph has fewer than N * k edges.
 
     Args:
         x: [N, D] points.
-        k: neighbours per point (excluding itself), ``k < N``, and with ``batch`` smaller
-            than the smallest example.
+        k: edges per point.
         batch: optional int64 [N], the example of each point, sorted (PyG's convention). The
             examples are processed one after the other; reading their sizes costs one host
             synchronisation (and ends a ``torch.compile`` graph).
         metric: ``"l2"``, ``"ip"`` or ``"cosine"``.
         exact: exact instead of approximate neighbours.
-        loop: also link every point to itself (k neighbours + the self loop per point).
+        loop: the self loop is one of each point's k edges (in 0.1.0 it came on top of k).
         flow: ``"source_to_target"`` or ``"target_to_source"``.
         list_size: search list for the approximate path (0 = max(k + 1, 64)).
         seed: seeds the build and the search.
@@ -59,35 +61,39 @@ def knn_graph(
     """
     if flow not in ("source_to_target", "target_to_source"):
         raise ValueError(f'flow: expected "source_to_target" or "target_to_source", got {flow!r}')
+    if k < 1:
+        raise ValueError(f"k: expected >= 1, got {k}")
+    others = k - 1 if loop else k  # neighbours per point besides the point itself
 
-    def neighbours(points: Tensor) -> Tuple[Tensor, Tensor]:
-        return torch.ops.grnnd.knn_graph.default(points, k, metric=metric, exact=exact, list_size=list_size,
-                                                 seed=seed)
+    def example_edges(points: Tensor, start: int) -> Tuple[Tensor, Tensor, Tensor]:
+        """(neighbour, centre, distance) of the edges of one example, each point's nearest first."""
+        n = points.shape[0]
+        take = min(others, n - 1)
+        if take > 0:
+            dists, ids = torch.ops.grnnd.knn_graph.default(points, take, metric=metric, exact=exact,
+                                                           list_size=list_size, seed=seed)
+        else:
+            dists = points.new_zeros(n, 0, dtype=torch.float32)
+            ids = torch.zeros(n, 0, dtype=torch.long, device=points.device)
+        centre = torch.arange(n, device=ids.device).unsqueeze(1)
+        if loop:
+            ids = torch.cat([centre, ids], dim=1)
+            dists = torch.cat([_self_distance(points, metric).unsqueeze(1), dists], dim=1)
+        return ids.reshape(-1) + start, centre.expand_as(ids).reshape(-1) + start, dists.reshape(-1)
 
-    def all_neighbours() -> Tuple[Tensor, Tensor]:
+    def all_edges() -> Tuple[Tensor, Tensor, Tensor]:
         if batch is None:
-            return neighbours(x)
-        parts = []
-        for start, size in _example_rows(batch, x, k):
-            dists, ids = neighbours(x.narrow(0, start, size))
-            parts.append((dists, ids + start))
+            return example_edges(x, 0)
+        parts = [example_edges(x.narrow(0, start, size), start) for start, size in _example_rows(batch, x)]
         return tuple(torch.cat(column) for column in zip(*parts))
 
-    dists, ids = run_reporting(progress, "knn_graph", all_neighbours)
-
-    n = x.shape[0]
-    center = torch.arange(n, device=ids.device).unsqueeze(1)
-    if loop:
-        ids = torch.cat([center, ids], dim=1)
-        dists = torch.cat([_self_distance(x, metric).unsqueeze(1), dists], dim=1)
-    center = center.expand_as(ids)
-    neighbour, center = ids.reshape(-1), center.reshape(-1)
-    edge_index = torch.stack([neighbour, center] if flow == "source_to_target" else [center, neighbour])
-    return (edge_index, dists.reshape(-1)) if return_distances else edge_index
+    neighbour, centre, dists = run_reporting(progress, "knn_graph", all_edges)
+    edge_index = torch.stack([neighbour, centre] if flow == "source_to_target" else [centre, neighbour])
+    return (edge_index, dists) if return_distances else edge_index
 
 
-def _example_rows(batch: Tensor, x: Tensor, k: int) -> List[Tuple[int, int]]:
-    """``(first row, rows)`` of each example of a sorted ``batch`` vector, checked against ``k``."""
+def _example_rows(batch: Tensor, x: Tensor) -> List[Tuple[int, int]]:
+    """``(first row, rows)`` of each example of a sorted ``batch`` vector."""
     if batch.dim() != 1 or batch.shape[0] != x.shape[0]:
         raise ValueError(f"batch: expected shape [{x.shape[0]}] (one example index per row of x), "
                          f"got {tuple(batch.shape)}")
@@ -99,10 +105,6 @@ def _example_rows(batch: Tensor, x: Tensor, k: int) -> List[Tuple[int, int]]:
     labels, sizes = torch.stack([labels.long(), sizes]).tolist()  # the one host synchronisation
     if any(later <= earlier for earlier, later in zip(labels, labels[1:])):
         raise ValueError("batch: expected example indices sorted in ascending order (PyG convention)")
-    smallest = min(range(len(sizes)), key=sizes.__getitem__)
-    if k >= sizes[smallest]:
-        raise ValueError(f"k: expected k < {sizes[smallest]}, the size of the smallest example (example "
-                         f"{labels[smallest]} has {sizes[smallest]} points), got {k}")
     return list(zip(itertools.accumulate(sizes, initial=0), sizes))
 
 

@@ -21,7 +21,9 @@ class KNNGraph(nn.Module):
 
     ``forward(x, batch=None)`` returns ``(edge_index [2, N * k], dists [N * k])``: PyG's edge
     convention (``flow``), and each edge's distance, differentiable with respect to ``x``.
-    With ``batch`` (sorted int64 [N]) every example gets its own graph.
+    With ``batch`` (sorted int64 [N]) every example gets its own graph. ``loop=True`` makes the
+    self loop one of each point's k edges; an example of k points or fewer gives what it has
+    (torch_cluster's semantics).
 
     Example:
         >>> import torch, torch_grnnd as grnnd
