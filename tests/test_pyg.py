@@ -215,3 +215,31 @@ def test_knn_segments_cuda_equals_cpu_on_large_batches(k):
     cpu = torch.ops.grnnd.knn_segments(x, x, ptr_x, batch, k)
     gpu = torch.ops.grnnd.knn_segments(x.cuda(), x.cuda(), ptr_x.cuda(), batch.cuda(), k)
     assert torch.equal(cpu[1], gpu[1].cpu()) and torch.equal(cpu[0], gpu[0].cpu())
+
+
+def test_knn_graph_transform_sets_edges_and_drops_edge_attr():
+    from types import SimpleNamespace
+
+    from torch_grnnd.pyg import KNNGraph
+    pos, batch = LINE, LINE_BATCH
+    data = SimpleNamespace(pos=pos, batch=batch, edge_attr=torch.ones(3, 2))
+    out = KNNGraph(k=1)(data)
+    assert out.edge_index.tolist() == knn_graph(pos, 1, batch).tolist() and out.edge_attr is None
+    assert not hasattr(data, "edge_index") and data.edge_attr is not None  # the input is untouched
+    undirected = KNNGraph(k=1, force_undirected=True)(data).edge_index
+    assert undirected.tolist() == [[0, 1, 1, 2, 3, 4], [1, 0, 2, 1, 4, 3]]
+    assert KNNGraph(k=2, loop=True)(data).edge_index.shape == (2, 11)  # 2 per point, 1 for the lone one
+    with pytest.raises(ValueError, match="flow: expected"):
+        KNNGraph(flow="up")
+
+
+def test_knn_graph_transform_on_a_pyg_data_object():
+    torch_geometric = pytest.importorskip("torch_geometric")
+    from torch_geometric.utils import to_undirected
+
+    from torch_grnnd.pyg import KNNGraph
+    g = torch.Generator().manual_seed(4)
+    data = torch_geometric.data.Data(pos=torch.randn(50, 3, generator=g))
+    out = KNNGraph(k=4, force_undirected=True)(data)
+    assert isinstance(out, torch_geometric.data.Data) and out.num_nodes == 50
+    assert torch.equal(out.edge_index, to_undirected(knn_graph(data.pos, 4), num_nodes=50))

@@ -1,6 +1,7 @@
 """torch_cluster's k-NN and radius API, for PyTorch Geometric models.
 
-``from torch_grnnd.pyg import knn_graph`` replaces ``from torch_cluster import knn_graph``: the
+``from torch_grnnd.pyg import knn_graph`` replaces ``from torch_cluster import knn_graph`` (and
+``torch_grnnd.pyg.KNNGraph`` PyG's ``transforms.KNNGraph``): the
 same arguments in the same order with the same defaults, and the same edges. Examples are
 batched as PyG batches them (a sorted ``batch`` vector); every example of a batch is searched in
 one call of ``torch.ops.grnnd.knn_segments`` (one kernel launch on a GPU), exactly, each query
@@ -37,7 +38,8 @@ Example:
     >>> knn(x, torch.tensor([[2.9]]), 2).tolist() # row 0 indexes y, row 1 indexes x
     [[0, 0], [2, 1]]
 """
-from typing import Optional, Tuple, Union
+import copy
+from typing import Any, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -99,6 +101,55 @@ def radius_graph(x: Tensor, r: float, batch: Optional[Tensor] = None, loop: bool
     found = radius(x, x, r, batch, batch, max_num_neighbors if loop else max_num_neighbors + 1, num_workers,
                    batch_size, return_distances=return_distances)
     return _graph_edges(found, loop, flow, return_distances)
+
+
+class KNNGraph:
+    """PyTorch Geometric's ``transforms.KNNGraph``: sets ``data.edge_index`` to the k-NN graph of
+    ``data.pos`` (each example of ``data.batch`` on its own) and drops ``data.edge_attr``.
+
+    The same arguments as PyG's transform, plus ``approximate`` (keyword-only). With
+    ``force_undirected=True`` every edge also appears reversed, each once, sorted by source and
+    then target as PyG's ``to_undirected`` leaves them. Works on ``torch_geometric.data.Data``
+    and on any object with those attributes; the input is copied (shallowly), not changed.
+
+    Example:
+        >>> import torch
+        >>> from types import SimpleNamespace
+        >>> from torch_grnnd.pyg import KNNGraph
+        >>> data = SimpleNamespace(pos=torch.tensor([[0.0], [1.0], [3.0]]), edge_attr=None)
+        >>> KNNGraph(k=1)(data).edge_index.tolist()
+        [[1, 0, 1], [0, 1, 2]]
+        >>> KNNGraph(k=1, force_undirected=True)(data).edge_index.tolist()
+        [[0, 1, 1, 2], [1, 0, 2, 1]]
+    """
+
+    def __init__(self, k: int = 6, loop: bool = False, force_undirected: bool = False,
+                 flow: str = "source_to_target", cosine: bool = False, num_workers: int = 1, *,
+                 approximate: bool = False):
+        _check_flow(flow)
+        self.k, self.loop, self.force_undirected, self.flow = k, loop, force_undirected, flow
+        self.cosine, self.num_workers, self.approximate = cosine, num_workers, approximate
+
+    def __call__(self, data: Any) -> Any:
+        data = copy.copy(data)
+        data.edge_attr = None
+        batch = getattr(data, "batch", None)
+        edge_index = knn_graph(data.pos, self.k, batch, loop=self.loop, flow=self.flow, cosine=self.cosine,
+                               num_workers=self.num_workers, approximate=self.approximate)
+        if self.force_undirected:
+            edge_index = _to_undirected(edge_index, data.pos.shape[0])
+        data.edge_index = edge_index
+        return data
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(k={self.k})"
+
+
+def _to_undirected(edge_index: Tensor, nodes: int) -> Tensor:
+    """Every edge in both directions, each once, sorted by (source, target)."""
+    both = torch.cat([edge_index, edge_index.flip(0)], dim=1)
+    keys = torch.unique(both[0] * nodes + both[1])
+    return torch.stack([keys // nodes, keys % nodes])
 
 
 def _as_points(t: Tensor, name: str) -> Tensor:
