@@ -5,13 +5,18 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import ops
+from . import editing, ops
 from .params import BuildParams, SearchParams
 from .progress import Progress
 
 
 class Index:
     """Vectors plus their GRNND graph, searchable in batches.
+
+    Rows may carry user ids (int64, given at build): search returns them instead of row
+    numbers. ``remove(ids)`` hides vectors from every later search at once (a tombstone mask
+    the search honours as a filter); ``compact()`` then repairs the rows that pointed at them
+    and frees their memory.
 
     Example:
         >>> import torch, torch_grnnd as grnnd
@@ -26,29 +31,89 @@ class Index:
     """
 
     def __init__(self, data: Tensor, graph: Tensor, metric: ops.Metric = "l2",
-                 build_params: Optional[BuildParams] = None):
-        """Wrap existing ``data`` and the ``graph`` that ``build`` made of it (no copy)."""
+                 build_params: Optional[BuildParams] = None, *, ids: Optional[Tensor] = None,
+                 removed: Optional[Tensor] = None):
+        """Wrap existing ``data`` and the ``graph`` that ``build`` made of it (no copy); ``ids``:
+        optional int64 [N] user ids, distinct; ``removed``: optional bool [N] tombstones."""
         self.data = data
         self.graph = graph
         self.metric = metric
         self.build_params = build_params if build_params is not None else BuildParams()
+        self.ids = None if ids is None else check_ids(ids, data)
+        self.removed = None if removed is None else check_removed(removed, data)
 
     @classmethod
     def build(cls, data: Tensor, params: Optional[BuildParams] = None, *, metric: ops.Metric = "l2",
-              progress: Progress = False, **settings: Any) -> "Index":
+              ids: Optional[Tensor] = None, progress: Progress = False, **settings: Any) -> "Index":
         """Build the graph of ``data`` with :func:`torch_grnnd.build`'s ``params`` and
-        ``settings`` (kept in :meth:`state_dict`); ``progress`` reports the build (not kept)."""
+        ``settings`` (kept in :meth:`state_dict`); ``ids``: optional int64 [N] user ids that
+        search returns (distinct); ``progress`` reports the build (not kept)."""
+        if ids is not None:
+            ids = check_ids(ids, data)  # before the build: a bad id costs no build
         params = BuildParams.merge(params, **settings)
         graph = ops.build(data, params, metric=metric, progress=progress)
-        return cls(data, graph, metric, params)
+        return cls(data, graph, metric, params, ids=ids)
 
     def search(self, queries: Tensor, k: Optional[int] = None, *, params: Optional[SearchParams] = None,
                **settings: Any) -> Tuple[Tensor, Tensor]:
-        """``(dists, ids)`` of the k nearest rows of each query; see :func:`torch_grnnd.search`."""
-        return ops.search(self.data, self.graph, queries, k, params=params, metric=self.metric, **settings)
+        """``(dists, ids)`` of the k nearest live vectors of each query, as user ids where the
+        index has them; see :func:`torch_grnnd.search` (a ``filter`` is over rows)."""
+        merged = SearchParams.merge(params, **settings)
+        if self.removed is not None:
+            live = ~self.removed
+            merged = merged.replace(filter=live if merged.filter is None else live & merged.filter.to(live.device))
+        dists, rows = ops.search(self.data, self.graph, queries, k, params=merged, metric=self.metric)
+        if self.ids is None:
+            return dists, rows
+        return dists, torch.where(rows >= 0, self.ids[rows.clamp_min(0)], rows)
+
+    def remove(self, ids: Tensor) -> None:
+        """Hide the vectors with these ids (user ids, or row numbers without them) from every
+        later search. Unknown, repeated or already removed ids raise and change nothing."""
+        rows = self.rows_of(ids)
+        if rows.unique().numel() != rows.numel():
+            raise ValueError("ids: expected distinct ids, got repeats")
+        removed = torch.zeros(self.data.shape[0], dtype=torch.bool, device=self.device) if self.removed is None \
+            else self.removed.clone()
+        if bool(removed[rows].any()):
+            again = ids.reshape(-1)[removed[rows].to(ids.device)][:5].tolist()
+            raise ValueError(f"ids: already removed: {again}")
+        removed[rows] = True
+        self.removed = removed
+
+    def compact(self) -> None:
+        """Drop the removed vectors for good: rows that pointed at them are pruned again from
+        their other neighbours and the removed vectors' neighbours, the rest are renumbered.
+        Ids stay as they were (row numbers become user ids if the index had none)."""
+        if self.removed is None:
+            return
+        space = editing.build_space(self.data, self.metric)
+        kept, graph = editing.consolidate(space, self.graph, self.removed)
+        ids = self.ids if self.ids is not None else torch.arange(self.data.shape[0], device=self.device)
+        self.data, self.graph, self.ids, self.removed = self.data[kept], graph, ids[kept], None
+
+    def rows_of(self, ids: Tensor) -> Tensor:
+        """Row numbers (int64 [len(ids)], on the index's device) of these ids; raises on unknown ids."""
+        if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise TypeError(f"ids: expected an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+        wanted = ids.reshape(-1).to(device=self.device, dtype=torch.long)
+        n = self.data.shape[0]
+        if self.ids is None:
+            unknown = (wanted < 0) | (wanted >= n)
+            rows = wanted
+        else:
+            known, order = self.ids.sort()
+            at = torch.searchsorted(known, wanted).clamp_max(max(n - 1, 0))
+            unknown = known[at] != wanted if n else torch.ones_like(wanted, dtype=torch.bool)
+            rows = order[at] if n else wanted
+        if bool(unknown.any()):
+            raise ValueError(f"ids: not in the index: {wanted[unknown][:5].tolist()}")
+        return rows
 
     def __len__(self) -> int:
-        return self.data.shape[0]
+        """The live vectors (removed ones not counted)."""
+        n = self.data.shape[0]
+        return n if self.removed is None else n - int(self.removed.sum())
 
     @property
     def dim(self) -> int:
@@ -60,12 +125,19 @@ class Index:
 
     def to(self, device: torch.device | str) -> "Index":
         """The same index with its tensors on ``device``."""
-        return Index(self.data.to(device), self.graph.to(device), self.metric, self.build_params)
+        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
+        return Index(self.data.to(device), self.graph.to(device), self.metric, self.build_params,
+                     ids=move(self.ids), removed=move(self.removed))
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to restore the index, as tensors, strings and numbers."""
-        return {"data": self.data, "graph": self.graph, "metric": self.metric,
-                "build_params": dataclasses.asdict(self.build_params)}
+        state = {"data": self.data, "graph": self.graph, "metric": self.metric,
+                 "build_params": dataclasses.asdict(self.build_params)}
+        if self.ids is not None:
+            state["ids"] = self.ids
+        if self.removed is not None:
+            state["removed"] = self.removed
+        return state
 
     @classmethod
     def from_state_dict(cls, state: Dict[str, Any]) -> "Index":
@@ -77,7 +149,8 @@ class Index:
             raise ValueError(f"state: missing keys {sorted(missing)}")
         data, graph, metric = state["data"], state["graph"], state["metric"]
         check_state(data, graph, metric)
-        return cls(data, graph, metric, BuildParams().replace(**state.get("build_params", {})))
+        return cls(data, graph, metric, BuildParams().replace(**state.get("build_params", {})),
+                   ids=state.get("ids"), removed=state.get("removed"))
 
     def __repr__(self) -> str:
         return (f"Index(n={len(self)}, dim={self.dim}, degree={self.graph.shape[1]}, metric={self.metric!r}, "
@@ -107,3 +180,21 @@ def check_state(data: Any, graph: Any, metric: Any) -> None:
                              f"{lo if lo < -1 else hi}")
     if metric not in ("l2", "ip", "cosine"):
         raise ValueError(f'state: metric must be "l2", "ip" or "cosine", got {metric!r}')
+
+
+def check_ids(ids: Any, data: Tensor) -> Tensor:
+    """User ids as the index keeps them: int64 [N] on the data's device, distinct."""
+    if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"ids: expected an int64 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.shape != (data.shape[0],):
+        raise ValueError(f"ids: expected shape [{data.shape[0]}] (one id per row of data), got {tuple(ids.shape)}")
+    ids = ids.to(device=data.device, dtype=torch.long)
+    if ids.unique().numel() != ids.numel():
+        raise ValueError("ids: expected distinct ids, got repeats")
+    return ids
+
+
+def check_removed(removed: Any, data: Tensor) -> Tensor:
+    if not isinstance(removed, Tensor) or removed.dtype != torch.bool or removed.shape != (data.shape[0],):
+        raise ValueError(f"removed: expected a bool tensor of shape [{data.shape[0]}]")
+    return removed.to(data.device)

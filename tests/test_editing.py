@@ -1,0 +1,123 @@
+"""An index with a life: user ids, removal (tombstones the search honours) and compaction.
+
+faiss-cpu is the oracle: after removing 10% and compacting, recall is compared with a fresh
+build of the remaining vectors, both against exact neighbours of those vectors.
+"""
+import pytest
+import torch
+
+import torch_grnnd as grnnd
+from conftest import clustered, exact_neighbours
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+@pytest.fixture(scope="module")
+def vectors():
+    x = clustered(20_500, 32, 200, seed=31)
+    return x[:20_000].contiguous(), x[20_000:].contiguous()
+
+
+def user_ids(n: int) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(1)) * 7 + 1_000_000
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_search_returns_user_ids(vectors, device):
+    data, queries = (t.to(device) for t in vectors)
+    ids = user_ids(data.shape[0]).to(device)
+    index = grnnd.Index.build(data, ids=ids)
+    plain = grnnd.Index(data, index.graph)
+    dists, found = index.search(queries, 10)
+    want_dists, rows = plain.search(queries, 10)
+    assert torch.equal(found, ids[rows]) and torch.equal(dists, want_dists)
+    assert torch.equal(index.rows_of(ids[rows[:, 0]]), rows[:, 0])
+
+
+def test_bad_ids_are_refused_before_the_build():
+    data = torch.randn(100, 4)
+    for ids, error, match in [(torch.arange(99), ValueError, r"ids: expected shape \[100\]"),
+                              (torch.zeros(100, dtype=torch.long), ValueError, "distinct"),
+                              (torch.arange(100).float(), TypeError, "int64")]:
+        with pytest.raises(error, match=match):
+            grnnd.Index.build(data, ids=ids)
+    index = grnnd.Index.build(data, ids=torch.arange(100) + 50)
+    with pytest.raises(ValueError, match=r"not in the index: \[10\]"):
+        index.remove(torch.tensor([60, 10]))
+    with pytest.raises(ValueError, match="distinct"):
+        index.remove(torch.tensor([60, 60]))
+    assert index.removed is None and len(index) == 100  # a refused removal changes nothing
+    index.remove(torch.tensor([60]))
+    with pytest.raises(ValueError, match=r"already removed: \[60\]"):
+        index.remove(torch.tensor([61, 60]))
+    assert len(index) == 99 and int(index.removed.sum()) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_removed_vectors_are_never_returned_then_compacted_away(vectors, device):
+    data, queries = (t.to(device) for t in vectors)
+    n = data.shape[0]
+    ids = user_ids(n).to(device)
+    index = grnnd.Index.build(data, ids=ids)
+    gone = torch.randperm(n, generator=torch.Generator().manual_seed(2))[: n // 10].to(device)
+    index.remove(ids[gone])
+    assert len(index) == n - n // 10
+    # The removed vectors themselves as queries: their own ids would come first.
+    for probe in (queries, data[gone[:300]]):
+        found = index.search(probe, 10, list_size=64)[1]
+        assert not torch.isin(found, ids[gone]).any()
+    kept = torch.ones(n, dtype=torch.bool, device=device)
+    kept[gone] = False
+    rest, rest_ids = data[kept], ids[kept]
+    truth = rest_ids[exact_neighbours(rest.cpu(), queries.cpu(), 10)[1].to(device)]
+
+    def recall(found):
+        return torch.isin(found, truth).float().sum().item() / truth.numel()
+
+    before = recall(index.search(queries, 10, list_size=64)[1])
+    index.compact()
+    assert index.removed is None and len(index) == rest.shape[0] and torch.equal(index.ids, rest_ids)
+    assert torch.equal(index.data, rest)
+    graph = index.graph.long()
+    assert graph.max() < rest.shape[0] and not (graph == torch.arange(rest.shape[0], device=device)[:, None]).any()
+    after = recall(index.search(queries, 10, list_size=64)[1])
+    fresh = grnnd.Index.build(rest, ids=rest_ids)
+    rebuilt = recall(fresh.search(queries, 10, list_size=64)[1])
+    assert after >= rebuilt - 0.01, (after, rebuilt, before)
+    assert grnnd.diagnostics.degree_summary(index.graph)["min"] >= 8
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_dict_carries_ids_and_tombstones(vectors, device):
+    data, queries = (t.to(device) for t in vectors)
+    ids = user_ids(data.shape[0]).to(device)
+    index = grnnd.Index.build(data[:5000], ids=ids[:5000])
+    index.remove(ids[:50])
+    restored = grnnd.Index.from_state_dict(index.state_dict())
+    assert torch.equal(restored.search(queries, 10)[1], index.search(queries, 10)[1])
+    assert len(restored) == 4950
+    index.compact()
+    restored = grnnd.Index.from_state_dict(index.state_dict())
+    assert torch.equal(restored.search(queries, 10)[1], index.search(queries, 10)[1])
+    moved = restored.to("cpu")
+    assert torch.equal(moved.ids, index.ids.cpu())
+
+
+@pytest.mark.parametrize("metric", ["cosine", "ip"])
+def test_compaction_keeps_recall_for_every_metric(vectors, metric):
+    data, queries = vectors
+    data, queries = data[:6000], queries[:200]
+    index = grnnd.Index.build(data, metric=metric)
+    gone = torch.arange(0, 6000, 10)
+    index.remove(gone)
+    index.compact()
+    kept = torch.ones(6000, dtype=torch.bool)
+    kept[gone] = False
+    truth = torch.arange(6000)[kept][exact_neighbours(data[kept], queries, 10, metric)[1]]
+    found = index.search(queries, 10, list_size=64)[1]
+    assert not torch.isin(found, gone).any()
+    recall = torch.isin(found, truth).float().sum().item() / truth.numel()
+    fresh = grnnd.Index.build(data[kept], metric=metric).search(queries, 10, list_size=64)[1]
+    rebuilt = torch.isin(torch.arange(6000)[kept][fresh], truth).float().sum().item() / truth.numel()
+    assert recall >= rebuilt - 0.01, (recall, rebuilt)
