@@ -1,5 +1,6 @@
-"""Editing a built graph: the relative-neighbourhood rule applied to chosen rows, and the repair of
-the rows that pointed at removed vertices (as FreshDiskANN consolidates its deletes).
+"""Editing a built graph: the relative-neighbourhood rule applied to chosen rows, new rows linked
+in (as an insertion into HNSW or DiskANN links a new vertex), and the repair of the rows that
+pointed at removed vertices (as FreshDiskANN consolidates its deletes).
 
 Plain tensor operations, so the same code runs wherever the index lives. Distances are the
 build's: squared l2 on the rows as the build prepared them (cosine rows normalised, inner-product
@@ -28,25 +29,26 @@ def build_space(data: Tensor, metric: str) -> Tensor:
     return x
 
 
-def prune_rows(space: Tensor, vertices: Tensor, candidates: Tensor, degree: int) -> Tensor:
+def prune_rows(space: Tensor, vertices: Tensor, candidates: Tensor, degree: int, prune: bool = True) -> Tensor:
     """New out-rows for ``vertices`` (int64 [m]) from ``candidates`` (int64 [m, c], -1 padded):
     int32 [m, degree], ascending by distance, -1 padded.
 
     The build's rule, in ascending order of distance: a candidate is kept unless a kept one is
     closer to it than it is to the vertex. At most ``degree`` are kept; a row left with fewer
-    than MIN_OUT_DEGREE takes the nearest of the pruned ones, as the build's fill does.
+    than MIN_OUT_DEGREE takes the nearest of the pruned ones, as the build's fill does. With
+    ``prune=False`` the nearest ``degree`` candidates are kept, sorted.
     """
     rows = []
     per_chunk = max(1, CHUNK_VALUES // max(1, candidates.shape[1] * space.shape[1]))
     for start in range(0, vertices.shape[0], per_chunk):
         rows.append(_prune_chunk(space, vertices[start:start + per_chunk], candidates[start:start + per_chunk],
-                                 degree))
+                                 degree, prune))
     if not rows:
         return torch.empty(0, degree, dtype=torch.int32, device=space.device)
     return torch.cat(rows)
 
 
-def _prune_chunk(space: Tensor, vertices: Tensor, candidates: Tensor, degree: int) -> Tensor:
+def _prune_chunk(space: Tensor, vertices: Tensor, candidates: Tensor, degree: int, prune: bool) -> Tensor:
     m, c = candidates.shape
     ids = candidates.clone()
     ids[ids == vertices.unsqueeze(1)] = -1
@@ -61,15 +63,15 @@ def _prune_chunk(space: Tensor, vertices: Tensor, candidates: Tensor, degree: in
     ids, to_vertex = ids.gather(1, order), to_vertex.gather(1, order)
     rows = rows.gather(1, order.unsqueeze(2).expand_as(rows))
     valid = torch.isfinite(to_vertex)
-    between = torch.cdist(rows, rows).pow(2)                              # [m, c, c]
     kept = torch.zeros(m, c, dtype=torch.bool, device=ids.device)
-    for j in range(c):
+    between = torch.cdist(rows, rows).pow(2) if prune else None          # [m, c, c]
+    for j in range(c if prune else 0):
         blocked = (kept[:, :j] & (between[:, j, :j] < to_vertex[:, j:j + 1])).any(dim=1)
         kept[:, j] = valid[:, j] & ~blocked & (kept.sum(1) < degree)
     # Short rows take the nearest pruned candidates up to the minimum out-degree.
     short = (MIN_OUT_DEGREE - kept.sum(1, keepdim=True)).clamp_min(0)
     pruned = valid & ~kept
-    kept |= pruned & (pruned.cumsum(1) <= short)
+    kept |= pruned & (pruned.cumsum(1) <= (short if prune else degree))
     # Kept entries first (already ascending by distance), then padding.
     position = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)[:, :degree]
     out = ids.gather(1, position).masked_fill(~kept.gather(1, position), -1)
@@ -118,3 +120,39 @@ def consolidate(space: Tensor, graph: Tensor, removed: Tensor) -> Tuple[Tensor, 
     # Entries of unaffected rows are live, so none turns -1 here; keep padding at the end anyway.
     out = out.gather(1, torch.argsort((out < 0).to(torch.int8), dim=1, stable=True))
     return kept_rows, out.to(torch.int32)
+
+
+def link_new_rows(space: Tensor, graph: Tensor, candidates: Tensor) -> Tensor:
+    """The graph with rows appended for new vertices: ``graph`` int32 [N, degree] over the first
+    N rows of ``space``, ``candidates`` int64 [B, c] for rows N .. N + B - 1 (ids into space,
+    -1 padded). Returns int32 [N + B, degree].
+
+    Each new row is pruned from its candidates. Then every row a new row links to takes the new
+    vertices that link to it (the reverse edges, which make the new vertices reachable): where
+    they fit, beside its entries, sorted by distance; where the row would overflow ``degree``,
+    it is pruned again from both, as HNSW shrinks a full neighbour list.
+    """
+    n, degree = graph.shape
+    new = torch.arange(n, n + candidates.shape[0], device=graph.device)
+    out = torch.cat([graph, prune_rows(space, new, _packed(candidates), degree)]).long()
+    target = out[new].flatten()
+    source = new.repeat_interleave(degree)
+    linked = target >= 0
+    target, source = target[linked], source[linked]
+    if target.numel() == 0:
+        return out.to(torch.int32)
+    order = torch.argsort(target, stable=True)
+    target, source = target[order], source[order]
+    rows, counts = torch.unique_consecutive(target, return_counts=True)
+    group = torch.repeat_interleave(torch.arange(rows.numel(), device=graph.device), counts)
+    rank = torch.arange(target.numel(), device=graph.device) - (counts.cumsum(0) - counts)[group]
+    within = rank < degree
+    incoming = torch.full((rows.numel(), degree), -1, dtype=torch.long, device=graph.device)
+    incoming[group[within], rank[within]] = source[within]
+    candidates = torch.cat([out[rows], incoming], dim=1)
+    overflow = (candidates >= 0).sum(1) > degree
+    for prune in (False, True):
+        chosen = rows[overflow == prune]
+        if chosen.numel():
+            out[chosen] = prune_rows(space, chosen, _packed(candidates[overflow == prune]), degree, prune).long()
+    return out.to(torch.int32)

@@ -13,8 +13,8 @@ from .progress import Progress
 class Index:
     """Vectors plus their GRNND graph, searchable in batches.
 
-    Rows may carry user ids (int64, given at build): search returns them instead of row
-    numbers. ``remove(ids)`` hides vectors from every later search at once (a tombstone mask
+    Rows may carry user ids (int64, given at build and add): search returns them instead of row
+    numbers. ``add(vectors)`` links new vectors into the graph without a rebuild; ``remove(ids)`` hides vectors from every later search at once (a tombstone mask
     the search honours as a filter); ``compact()`` then repairs the rows that pointed at them
     and frees their memory.
 
@@ -66,6 +66,48 @@ class Index:
         if self.ids is None:
             return dists, rows
         return dists, torch.where(rows >= 0, self.ids[rows.clamp_min(0)], rows)
+
+    def add(self, vectors: Tensor, ids: Optional[Tensor] = None) -> None:
+        """Add ``vectors`` [B, D] (same dtype and device as the index) as new vertices of the
+        graph, without a rebuild: each finds its candidates by a search of the graph (and among
+        the batch), keeps them by the build's rule, and the rows it links to take it in. ``ids``:
+        their user ids, required when the index has ids (distinct, not in the index yet). A
+        refused or failed add leaves the index as it was."""
+        data = self.data
+        if not isinstance(vectors, Tensor) or vectors.dim() != 2 or vectors.shape[1] != data.shape[1]:
+            raise ValueError(f"vectors: expected a [B, {data.shape[1]}] tensor, got "
+                             f"{tuple(vectors.shape) if isinstance(vectors, Tensor) else type(vectors).__name__}")
+        if vectors.dtype != data.dtype or vectors.device != data.device:
+            raise TypeError(f"vectors: expected {data.dtype} on {data.device} like the index, got {vectors.dtype} "
+                            f"on {vectors.device}")
+        if not bool(torch.isfinite(vectors).all()):
+            row = int((~torch.isfinite(vectors)).any(1).nonzero()[0])
+            raise ValueError(f"vectors: row {row} holds NaN or infinity")
+        b, n = vectors.shape[0], data.shape[0]
+        new_ids = None
+        if self.ids is not None or ids is not None:
+            if ids is None:
+                raise ValueError("ids: this index has user ids; give one for each new vector")
+            new_ids = check_ids(ids, vectors)
+            old_ids = self.ids if self.ids is not None else torch.arange(n, device=self.device)
+            taken = torch.isin(new_ids, old_ids)
+            if bool(taken.any()):
+                raise ValueError(f"ids: already in the index: {new_ids[taken][:5].tolist()}")
+            new_ids = torch.cat([old_ids, new_ids])
+        if b == 0:
+            return
+        # Candidates: the nearest live rows a search finds, and the batch's own nearest rows.
+        pool = min(self.build_params.pool_size, n)
+        live = None if self.removed is None else ~self.removed
+        found = ops.search(data, self.graph, vectors, pool, list_size=max(64, pool), filter=live,
+                           metric=self.metric)[1] if pool > 0 else vectors.new_zeros(b, 0, dtype=torch.long)
+        among = ops.knn(vectors, vectors, min(b, self.graph.shape[1] + 1), metric=self.metric)[1] + n
+        all_data = torch.cat([data, vectors])
+        graph = editing.link_new_rows(editing.build_space(all_data, self.metric), self.graph,
+                                      torch.cat([found, among], dim=1))
+        removed = None if self.removed is None else torch.cat(
+            [self.removed, torch.zeros(b, dtype=torch.bool, device=self.device)])
+        self.data, self.graph, self.ids, self.removed = all_data, graph, new_ids, removed
 
     def remove(self, ids: Tensor) -> None:
         """Hide the vectors with these ids (user ids, or row numbers without them) from every
