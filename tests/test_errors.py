@@ -76,8 +76,12 @@ def test_k_out_of_range():
             grnnd.search(X, G, X[:2], k, list_size=128)
     with pytest.raises(ValueError, match=r"k: expected <= list_size \(16\)"):
         grnnd.search(X, G, X[:2], 20, list_size=16)
+    with pytest.raises(ValueError, match=r"k: expected >= 1, got 0"):
+        grnnd.knn_graph(X, 0)
+    # As in torch_cluster, k past the other points gives each point all of them.
+    assert grnnd.knn_graph(X, 100, exact=True).shape == (2, 100 * 99)
     with pytest.raises(ValueError, match=r"k: expected 1 <= k <= 99"):
-        grnnd.knn_graph(X, 100)
+        torch.ops.grnnd.knn_graph(X, 100)  # the op itself has a fixed shape
     with pytest.raises(ValueError, match=r"k: expected at most 1024 for exact knn, got 1025"):
         grnnd.knn(torch.randn(2000, 4), torch.randn(2, 4), 1025)
 
