@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_grnnd as grnnd
-from conftest import clustered, exact_neighbours
+from conftest import clustered, exact_neighbours, one_thread
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])]
@@ -126,7 +126,7 @@ def test_compaction_keeps_recall_for_every_metric(vectors, metric):
 @pytest.fixture(scope="module")
 def overlapping():
     """Few, wide clusters: a harder set, where recall differences show at list 32."""
-    x = clustered(20_300, 48, 20, seed=32)
+    x = clustered(21_000, 48, 20, seed=32)
     data, queries = x[:20_000].contiguous(), x[20_000:].contiguous()
     return data, queries, exact_neighbours(data, queries, 10)[1]
 
@@ -135,17 +135,18 @@ def overlapping():
 def test_daily_inserts_match_a_fresh_build(overlapping, device):
     # Build from 90%, then add the other 10% in ten batches of 1%.
     data, queries, truth = (t.to(device) for t in overlapping)
-    index = grnnd.Index.build(data[:18_000])
-    for start in range(18_000, 20_000, 200):
-        index.add(data[start:start + 200])
+    with one_thread():  # reproducible CPU builds: the comparison is the same on every run
+        index = grnnd.Index.build(data[:18_000])
+        for start in range(18_000, 20_000, 200):
+            index.add(data[start:start + 200])
+        fresh = grnnd.Index.build(data)
     assert len(index) == 20_000 and torch.equal(index.data, data)
-    fresh = grnnd.Index.build(data)
 
     def recall(found):
         return torch.isin(found, truth).float().sum().item() / truth.numel()
 
     added, rebuilt = (recall(ix.search(queries, 10, list_size=32)[1]) for ix in (index, fresh))
-    assert added >= rebuilt - 0.005, (added, rebuilt)  # measured 0.970 against 0.962
+    assert added >= rebuilt - 0.005, (added, rebuilt)
     # Every added vector is found as its own nearest neighbour.
     own = index.search(data[18_000:], 1, list_size=32)[1].flatten()
     assert (own == torch.arange(18_000, 20_000, device=device)).float().mean() >= 0.99

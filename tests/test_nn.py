@@ -83,7 +83,7 @@ def test_retriever_state_dict_round_trip(corpus, tmp_path):
     data, queries = corpus
     retriever = grnnd.nn.Retriever(data, k=5, metric="cosine", list_size=48, degree=24)
     dists, ids = retriever(queries)
-    assert set(retriever.state_dict()) == {"data", "graph", "_extra_state"}
+    assert set(retriever.state_dict()) == {"data", "graph", "ids", "removed", "_extra_state"}
     torch.save(retriever.state_dict(), tmp_path / "retriever.pt")
     restored = grnnd.nn.Retriever()
     restored.load_state_dict(torch.load(tmp_path / "retriever.pt", weights_only=True))
@@ -165,3 +165,27 @@ def test_batch_graphs_on_cuda():
     assert edge_index.is_cuda and dists.is_cuda
     assert torch.equal(batch[edge_index[0].cpu()], batch[edge_index[1].cpu()])
     assert grnnd.recall(edge_index[0].view(-1, 8).cpu(), cpu[0].view(-1, 8)) >= 0.95
+
+
+def test_retriever_adds_removes_and_keeps_it_in_its_state():
+    data = clustered(3000, 16, 20, seed=40)
+    retriever = grnnd.nn.Retriever(k=3)
+    retriever.add(data[:2000], ids=torch.arange(2000) + 100)      # empty: the first add builds
+    retriever.add(data[2000:], ids=torch.arange(1000) + 5000)
+    retriever.remove(torch.tensor([100, 5000]))
+    assert len(retriever) == 2998
+    found = retriever(data)[1]
+    assert not torch.isin(found, torch.tensor([100, 5000])).any()
+    assert (found[1:2000, 0] == torch.arange(101, 2100)).float().mean() >= 0.99
+    restored = grnnd.nn.Retriever()
+    restored.load_state_dict(retriever.state_dict())
+    assert torch.equal(restored(data)[1], found) and len(restored) == 2998
+    retriever.compact()
+    assert retriever.data.shape[0] == 2998 and retriever.removed.numel() == 0
+    assert not torch.isin(retriever(data)[1], torch.tensor([100, 5000])).any()
+    # A state saved before ids and tombstones existed still loads.
+    old = {key: value for key, value in grnnd.nn.Retriever(data[:500], k=3).state_dict().items()
+           if not key.endswith(("ids", "removed"))}
+    plain = grnnd.nn.Retriever()
+    plain.load_state_dict(old)
+    assert plain.ids.numel() == 0 and len(plain) == 500

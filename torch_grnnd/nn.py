@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .graph import knn_graph
-from .index import Index, check_state
+from .index import Index, check_ids, check_removed, check_state
 from .ops import Metric
 from .params import BuildParams, SearchParams
 from .progress import Progress
@@ -58,9 +58,10 @@ class Retriever(nn.Module):
     ``.to(device)`` and follow ``.half()`` (the graph stays int32). The metric, ``k``,
     ``list_size`` and the build parameters travel in the state dict too, so
     ``Retriever().load_state_dict(state)`` restores the whole index. ``rebuild(emb)`` indexes
-    new embeddings (e.g. once per epoch); ``forward(queries)`` searches them. The indexed rows
-    are detached: distances carry gradients to the queries only (use :func:`torch_grnnd.search`
-    on live embeddings for gradients to the data too).
+    new embeddings (e.g. once per epoch); ``add``, ``remove`` and ``compact`` edit them in place
+    (as :class:`~torch_grnnd.Index` does, user ids included); ``forward(queries)`` searches
+    them. The indexed rows are detached: distances carry gradients to the queries only (use
+    :func:`torch_grnnd.search` on live embeddings for gradients to the data too).
 
     Example:
         >>> import torch, torch_grnnd as grnnd
@@ -88,6 +89,9 @@ class Retriever(nn.Module):
         self.build_params = BuildParams.merge(build_params, **build_settings)
         self.register_buffer("data", torch.empty(0, 0))
         self.register_buffer("graph", torch.empty(0, 0, dtype=torch.int32))
+        # User ids and tombstones; empty when the index has none.
+        self.register_buffer("ids", torch.empty(0, dtype=torch.long))
+        self.register_buffer("removed", torch.empty(0, dtype=torch.bool))
         if data is not None:
             self.rebuild(data, progress=progress)
 
@@ -102,12 +106,39 @@ class Retriever(nn.Module):
     @property
     def index(self) -> Index:
         """The buffers as an :class:`~torch_grnnd.Index` (no copy)."""
-        return Index(self.data, self.graph, self.metric, self.build_params)
+        return Index(self.data, self.graph, self.metric, self.build_params,
+                     ids=self.ids if self.ids.numel() else None, removed=self.removed if self.removed.numel() else None)
 
-    def rebuild(self, data: Tensor, *, progress: Progress = False) -> "Retriever":
-        """Index ``data`` (its rows, detached, without a copy) in place of the current vectors."""
-        index = Index.build(data.detach(), self.build_params, metric=self.metric, progress=progress)
+    def rebuild(self, data: Tensor, *, ids: Optional[Tensor] = None, progress: Progress = False) -> "Retriever":
+        """Index ``data`` (its rows, detached, without a copy) in place of the current vectors;
+        ``ids``: optional user ids, as in :meth:`Index.build`."""
+        self._take(Index.build(data.detach(), self.build_params, metric=self.metric, ids=ids, progress=progress))
+        return self
+
+    def add(self, data: Tensor, ids: Optional[Tensor] = None) -> "Retriever":
+        """Add rows (detached) without a rebuild; see :meth:`Index.add`."""
+        if self.data.shape[0] == 0:
+            return self.rebuild(data, ids=ids)
+        index = self.index
+        index.add(data.detach(), ids)
+        return self._take(index)
+
+    def remove(self, ids: Tensor) -> "Retriever":
+        """Hide these rows from every later search; see :meth:`Index.remove`."""
+        index = self.index
+        index.remove(ids)
+        return self._take(index)
+
+    def compact(self) -> "Retriever":
+        """Drop the removed rows for good; see :meth:`Index.compact`."""
+        index = self.index
+        index.compact()
+        return self._take(index)
+
+    def _take(self, index: Index) -> "Retriever":
         self.data, self.graph = index.data, index.graph
+        self.ids = index.ids if index.ids is not None else self.ids.new_empty(0)
+        self.removed = index.removed if index.removed is not None else self.removed.new_empty(0)
         return self
 
     def forward(self, queries: Tensor, k: Optional[int] = None, *,
@@ -118,7 +149,8 @@ class Retriever(nn.Module):
         return self.index.search(queries, k, params=self.search_params, filter=filter)
 
     def __len__(self) -> int:
-        return self.data.shape[0]
+        """The live rows (removed ones not counted)."""
+        return len(self.index) if self.data.shape[0] else 0
 
     def get_extra_state(self) -> Dict[str, Any]:
         return {"k": self.k, "metric": self.metric, "list_size": self.list_size,
@@ -132,13 +164,21 @@ class Retriever(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The number of rows is data, not configuration: take the incoming shapes (keeping
         # this module's device and dtype) so that any retriever can load any index.
-        for name in ("data", "graph"):
+        # States saved before ids and tombstones existed have neither: none.
+        for name in ("ids", "removed"):
+            if prefix + "data" in state_dict and prefix + name not in state_dict:
+                state_dict[prefix + name] = getattr(self, name).new_empty(0)
+        for name in ("data", "graph", "ids", "removed"):
             incoming = state_dict.get(prefix + name)
             if incoming is not None:
                 setattr(self, name, getattr(self, name).new_empty(incoming.shape))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.data.shape[0] > 0:
             check_state(self.data, self.graph, self.metric)
+            if self.ids.numel():
+                check_ids(self.ids, self.data)
+            if self.removed.numel():
+                check_removed(self.removed, self.data)
 
     def extra_repr(self) -> str:
         return (f"n={self.data.shape[0]}, dim={self.data.shape[1]}, k={self.k}, metric={self.metric!r}, "
