@@ -59,9 +59,12 @@ def _prune_chunk(space: Tensor, vertices: Tensor, candidates: Tensor, degree: in
     valid = ids >= 0
     rows = space[ids.clamp_min(0)]                                        # [m, c, D]
     to_vertex = (rows - space[vertices].unsqueeze(1)).pow(2).sum(2).masked_fill(~valid, float("inf"))
-    order = torch.argsort(to_vertex, dim=1, stable=True)
+    # The nearest 2 x degree candidates only (as DiskANN's list L): farther ones are almost
+    # always blocked by a kept one, and the rule's cost grows as the square of their number.
+    order = torch.argsort(to_vertex, dim=1, stable=True)[:, :2 * degree]
+    c = order.shape[1]
     ids, to_vertex = ids.gather(1, order), to_vertex.gather(1, order)
-    rows = rows.gather(1, order.unsqueeze(2).expand_as(rows))
+    rows = rows.gather(1, order.unsqueeze(2).expand(-1, -1, rows.shape[2]))
     valid = torch.isfinite(to_vertex)
     kept = torch.zeros(m, c, dtype=torch.bool, device=ids.device)
     between = torch.cdist(rows, rows).pow(2) if prune else None          # [m, c, c]

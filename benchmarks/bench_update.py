@@ -1,0 +1,141 @@
+"""An index that grows and shrinks: Index.add / remove / compact against fresh builds, same run.
+
+    python benchmarks/bench_update.py --data DIR/embeddings.pt --out DIR            # GPU
+    python benchmarks/bench_update.py --data clustered:n=1000000,d=384,clusters=1000,queries=10000
+    python benchmarks/bench_update.py --device cpu --data clustered:n=20000,d=48,clusters=20,queries=1000
+
+Data as benchmarks/bench_gpu.py loads it (a text_embeddings.py file, or clustered blobs made on
+the device). Three scenarios, each against a fresh build of the same rows in the same run,
+recall@10 at list 64 (exact ground truth from grnnd.knn over the rows the index holds):
+  daily inserts  build 90%, then add the other 10% in ten batches of 1% (time of each add);
+  bulk growth    build the first half, add the second half in one call;
+  deletes        remove a random 10% (no removed id may come back), then compact.
+Times: CUDA events on a GPU, wall clock on the CPU. Writes update_<name>.{json,md} under --out.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch_grnnd as grnnd  # noqa: E402
+from benchmarks.bench_gpu import load_data  # noqa: E402
+from benchmarks.report import machine, machine_line  # noqa: E402
+
+LIST = 64
+K = 10
+
+
+def timed(fn, device: torch.device):
+    """(result, seconds) of one call."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        torch.cuda.synchronize()
+        return out, start.elapsed_time(end) / 1000
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def recall(index: grnnd.Index, queries: torch.Tensor, truth: torch.Tensor) -> float:
+    """recall@10 of the index's ids against ``truth`` (ids of the same kind)."""
+    found = index.search(queries, K, list_size=LIST)[1]
+    return torch.isin(found, truth).float().sum().item() / truth.numel()
+
+
+def truth_over(rows: torch.Tensor, ids: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """Exact top-10 ids among ``rows`` (whose ids are ``ids``)."""
+    return ids[grnnd.knn(rows, queries, K)[1]]
+
+
+def daily_inserts(base, queries, device) -> dict:
+    n = base.shape[0]
+    first, step = n * 9 // 10, n // 100
+    truth = truth_over(base, torch.arange(n, device=device), queries)
+    fresh, fresh_s = timed(lambda: grnnd.Index.build(base), device)
+    index, build_s = timed(lambda: grnnd.Index.build(base[:first]), device)
+    adds = []
+    for start in range(first, n, step):
+        _, secs = timed(lambda: index.add(base[start:min(n, start + step)]), device)
+        adds.append(secs)
+    return {"fresh_build_s": fresh_s, "build_90_s": build_s, "add_s": adds, "rows_per_add": step,
+            "recall": recall(index, queries, truth), "fresh_recall": recall(fresh, queries, truth)}
+
+
+def bulk_growth(base, queries, device) -> dict:
+    n = base.shape[0]
+    truth = truth_over(base, torch.arange(n, device=device), queries)
+    fresh, fresh_s = timed(lambda: grnnd.Index.build(base), device)
+    index, build_s = timed(lambda: grnnd.Index.build(base[:n // 2]), device)
+    _, add_s = timed(lambda: index.add(base[n // 2:]), device)
+    return {"fresh_build_s": fresh_s, "build_half_s": build_s, "add_half_s": add_s,
+            "recall": recall(index, queries, truth), "fresh_recall": recall(fresh, queries, truth)}
+
+
+def deletes(base, queries, device) -> dict:
+    n = base.shape[0]
+    ids = torch.arange(n, device=device)
+    gone = torch.randperm(n, device=device, generator=torch.Generator(device=device).manual_seed(0))[: n // 10]
+    kept = torch.ones(n, dtype=torch.bool, device=device)
+    kept[gone] = False
+    truth = truth_over(base[kept], ids[kept], queries)
+    index = grnnd.Index.build(base)
+    _, remove_s = timed(lambda: index.remove(gone), device)
+    tombstoned = index.search(queries, K, list_size=LIST)[1]
+    removed_returned = int(torch.isin(tombstoned, gone).sum())
+    before = recall(index, queries, truth)
+    _, compact_s = timed(index.compact, device)
+    fresh, fresh_s = timed(lambda: grnnd.Index.build(base[kept], ids=ids[kept]), device)
+    return {"remove_s": remove_s, "removed_ids_returned": removed_returned, "recall_before_compact": before,
+            "compact_s": compact_s, "recall": recall(index, queries, truth), "fresh_build_s": fresh_s,
+            "fresh_recall": recall(fresh, queries, truth)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default="clustered:n=1000000,d=384,clusters=1000,queries=10000")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    name, base, queries, _ = load_data(args.data, device)
+    if device.type == "cpu":
+        base, queries = base.float(), queries.float()
+    grnnd.build(base[: min(50_000, base.shape[0])])  # warm-up
+    results = {"data": name, "n": base.shape[0], "dim": base.shape[1], "list_size": LIST,
+               "machine": machine(threads=torch.get_num_threads(), cuda=device.type == "cuda")}
+    for scenario in (daily_inserts, bulk_growth, deletes):
+        results[scenario.__name__] = scenario(base, queries, device)
+        print(scenario.__name__, json.dumps(results[scenario.__name__]), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"update_{name}")
+    with open(stem + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    d, b, r = results["daily_inserts"], results["bulk_growth"], results["deletes"]
+    adds = sorted(d["add_s"])
+    lines = [f"# Index updates, {name} ({results['n']:,} x {results['dim']})", "",
+             f"Machine: {machine_line(results['machine'])}. recall@10 at list {LIST}; "
+             "`python benchmarks/bench_update.py`.", "",
+             "| scenario | time | recall | fresh build: time, recall |", "|---|---|---:|---|",
+             f"| daily inserts: build 90%, 10 adds of {d['rows_per_add']:,} | build {d['build_90_s']:.2f} s, "
+             f"add median {adds[len(adds) // 2] * 1000:.1f} ms (max {adds[-1] * 1000:.1f}) | {d['recall']:.4f} | "
+             f"{d['fresh_build_s']:.2f} s, {d['fresh_recall']:.4f} |",
+             f"| bulk growth: build half, add half | build {b['build_half_s']:.2f} s + add {b['add_half_s']:.2f} s | "
+             f"{b['recall']:.4f} | {b['fresh_build_s']:.2f} s, {b['fresh_recall']:.4f} |",
+             f"| deletes: remove 10%, compact | remove {r['remove_s'] * 1000:.1f} ms, compact {r['compact_s']:.2f} s "
+             f"(removed ids returned before compact: {r['removed_ids_returned']}; recall then "
+             f"{r['recall_before_compact']:.4f}) | {r['recall']:.4f} | {r['fresh_build_s']:.2f} s, "
+             f"{r['fresh_recall']:.4f} |"]
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("wrote", stem + ".json", stem + ".md")
+
+
+if __name__ == "__main__":
+    main()
