@@ -201,3 +201,14 @@ def test_a_refused_or_failed_add_changes_nothing(vectors, monkeypatch):
         index.add(data[1500:1510], ids=torch.arange(10) + 5000)
     assert all(a is b for a, b in zip(before, (index.data, index.graph, index.ids, index.removed)))
     assert len(index) == 1500
+
+
+def test_a_state_with_repeated_ids_is_refused():
+    index = grnnd.Index.build(torch.randn(200, 4), ids=torch.arange(200))
+    state = index.state_dict()
+    state["ids"] = torch.zeros(200, dtype=torch.long)
+    with pytest.raises(ValueError, match="distinct"):
+        grnnd.Index.from_state_dict(state)
+    state["ids"] = torch.arange(199)
+    with pytest.raises(ValueError, match=r"ids: expected shape \[200\]"):
+        grnnd.Index.from_state_dict(state)

@@ -34,12 +34,13 @@ class Index:
                  build_params: Optional[BuildParams] = None, *, ids: Optional[Tensor] = None,
                  removed: Optional[Tensor] = None):
         """Wrap existing ``data`` and the ``graph`` that ``build`` made of it (no copy); ``ids``:
-        optional int64 [N] user ids, distinct; ``removed``: optional bool [N] tombstones."""
+        optional int64 [N] user ids, which must be distinct (not checked here: no value is read,
+        so wrapping costs nothing); ``removed``: optional bool [N] tombstones."""
         self.data = data
         self.graph = graph
         self.metric = metric
         self.build_params = build_params if build_params is not None else BuildParams()
-        self.ids = None if ids is None else check_ids(ids, data)
+        self.ids = None if ids is None else check_ids(ids, data, distinct=False)
         self.removed = None if removed is None else check_removed(removed, data)
 
     @classmethod
@@ -191,8 +192,9 @@ class Index:
             raise ValueError(f"state: missing keys {sorted(missing)}")
         data, graph, metric = state["data"], state["graph"], state["metric"]
         check_state(data, graph, metric)
+        ids = state.get("ids")
         return cls(data, graph, metric, BuildParams().replace(**state.get("build_params", {})),
-                   ids=state.get("ids"), removed=state.get("removed"))
+                   ids=None if ids is None else check_ids(ids, data), removed=state.get("removed"))
 
     def __repr__(self) -> str:
         return (f"Index(n={len(self)}, dim={self.dim}, degree={self.graph.shape[1]}, metric={self.metric!r}, "
@@ -224,14 +226,15 @@ def check_state(data: Any, graph: Any, metric: Any) -> None:
         raise ValueError(f'state: metric must be "l2", "ip" or "cosine", got {metric!r}')
 
 
-def check_ids(ids: Any, data: Tensor) -> Tensor:
-    """User ids as the index keeps them: int64 [N] on the data's device, distinct."""
+def check_ids(ids: Any, data: Tensor, distinct: bool = True) -> Tensor:
+    """User ids as the index keeps them: int64 [N] on the data's device; ``distinct`` also reads
+    them to refuse repeats."""
     if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"ids: expected an int64 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
     if ids.shape != (data.shape[0],):
         raise ValueError(f"ids: expected shape [{data.shape[0]}] (one id per row of data), got {tuple(ids.shape)}")
     ids = ids.to(device=data.device, dtype=torch.long)
-    if ids.unique().numel() != ids.numel():
+    if distinct and ids.unique().numel() != ids.numel():
         raise ValueError("ids: expected distinct ids, got repeats")
     return ids
 
