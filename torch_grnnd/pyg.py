@@ -67,13 +67,7 @@ def knn_graph(x: Tensor, k: int, batch: Optional[Tensor] = None, loop: bool = Fa
     ``flow="source_to_target"`` row 0 holds the neighbour and row 1 the point."""
     _check_flow(flow)
     x, _, ids = _knn_ids(x, x, k if loop else k + 1, batch, batch, cosine, batch_size, approximate)
-    if ids is None:
-        edge_index = _empty_edges(x)
-    else:  # the self edges go in the same pass that drops the missing neighbours
-        found = ids >= 0
-        if not loop:
-            found &= ids != torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
-        edge_index = _found_edges(ids, found)
+    edge_index = _empty_edges(x) if ids is None else _found_edges(ids, _keep_self(ids, ids >= 0, loop))
     return _edges(x, x, edge_index, cosine, return_distances, flow)
 
 
@@ -82,15 +76,9 @@ def radius(x: Tensor, y: Tensor, r: float, batch_x: Optional[Tensor] = None, bat
            return_distances: bool = False) -> EdgeIndex:
     """For each row of ``y``, the rows of ``x`` of its example within distance ``r`` (at most
     ``max_num_neighbors``, the nearest): ``[2, E]``, row 0 indexing ``y``, row 1 ``x``."""
-    if not r >= 0:
-        raise ValueError(f"r: expected >= 0, got {r}")
-    if max_num_neighbors < 1:
-        raise ValueError(f"max_num_neighbors: expected >= 1, got {max_num_neighbors}")
-    x, y, segments = _segments(x, y, batch_x, batch_y, batch_size)
-    if segments is None:
-        return _edges(x, y, _empty_edges(x), False, return_distances)
-    dists, ids = _knn_segments(_search_space(x, False), _search_space(y, False), *segments, max_num_neighbors)
-    return _edges(x, y, _found_edges(ids, (ids >= 0) & (dists < r * r)), False, return_distances)
+    x, y, ids, within = _within(x, y, r, batch_x, batch_y, max_num_neighbors, batch_size)
+    edge_index = _empty_edges(x) if ids is None else _found_edges(ids, within)
+    return _edges(x, y, edge_index, False, return_distances)
 
 
 def radius_graph(x: Tensor, r: float, batch: Optional[Tensor] = None, loop: bool = False,
@@ -98,9 +86,10 @@ def radius_graph(x: Tensor, r: float, batch: Optional[Tensor] = None, loop: bool
                  batch_size: Optional[int] = None, *, return_distances: bool = False) -> EdgeIndex:
     """The graph linking the rows of ``x`` closer than ``r``, each example on its own: ``[2, E]``."""
     _check_flow(flow)
-    found = radius(x, x, r, batch, batch, max_num_neighbors if loop else max_num_neighbors + 1, num_workers,
-                   batch_size, return_distances=return_distances)
-    return _graph_edges(found, loop, flow, return_distances)
+    x, _, ids, within = _within(x, x, r, batch, batch, max_num_neighbors if loop else max_num_neighbors + 1,
+                                batch_size)
+    edge_index = _empty_edges(x) if ids is None else _found_edges(ids, _keep_self(ids, within, loop))
+    return _edges(x, x, edge_index, False, return_distances, flow)
 
 
 class KNNGraph:
@@ -172,8 +161,31 @@ def _knn_ids(x: Tensor, y: Tensor, k: int, batch_x: Optional[Tensor], batch_y: O
     if segments is None:
         return x, y, None
     xs, ys = _search_space(x, cosine), _search_space(y, cosine)
-    ids = _approximate(xs, ys, *segments, k) if approximate else _knn_segments(xs, ys, *segments, k)[1]
-    return x, y, ids
+    if approximate:
+        return x, y, _approximate(xs, ys, *segments, k)
+    return x, y, torch.ops.grnnd.knn_segments.default(xs, ys, *segments, k)[1]
+
+
+def _within(x: Tensor, y: Tensor, r: float, batch_x: Optional[Tensor], batch_y: Optional[Tensor],
+            max_num_neighbors: int, batch_size: Optional[int]
+            ) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """``x`` and ``y`` as points, the ids [len(y), max_num_neighbors] of each query's nearest rows
+    of its example, and which of them lie within ``r``; None, None when either set has no rows."""
+    if not r >= 0:
+        raise ValueError(f"r: expected >= 0, got {r}")
+    if max_num_neighbors < 1:
+        raise ValueError(f"max_num_neighbors: expected >= 1, got {max_num_neighbors}")
+    x, y, segments = _segments(x, y, batch_x, batch_y, batch_size)
+    if segments is None:
+        return x, y, None, None
+    dists, ids = torch.ops.grnnd.knn_segments.default(_search_space(x, False), _search_space(y, False), *segments,
+                                                      max_num_neighbors)
+    return x, y, ids, (ids >= 0) & (dists < r * r)
+
+
+def _keep_self(ids: Tensor, found: Tensor, loop: bool) -> Tensor:
+    """``found`` without each query's own row (queries are the rows of x), unless ``loop``."""
+    return found if loop else found & (ids != torch.arange(ids.shape[0], device=ids.device).unsqueeze(1))
 
 
 def _check_flow(flow: str) -> None:
@@ -214,10 +226,6 @@ def _segments(x: Tensor, y: Tensor, batch_x: Optional[Tensor], batch_y: Optional
     if batch_y is None:
         batch_y = torch.zeros(y.shape[0], dtype=torch.long, device=y.device)
     return x, y, (ptr_x, batch_y.long())
-
-
-def _knn_segments(xs: Tensor, ys: Tensor, ptr_x: Tensor, batch_y: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    return torch.ops.grnnd.knn_segments.default(xs, ys, ptr_x, batch_y, k)
 
 
 def _search_space(points: Tensor, cosine: bool) -> Tensor:
@@ -265,16 +273,3 @@ def _edges(x: Tensor, y: Tensor, edge_index: Tensor, cosine: bool, return_distan
     else:
         dists = (a - b).pow(2).sum(-1)
     return edge_index, dists
-
-
-def _graph_edges(found: EdgeIndex, loop: bool, flow: str, return_distances: bool) -> EdgeIndex:
-    """A graph's edges from knn/radius results of x against itself: self edges dropped unless
-    ``loop``, and rows swapped for flow="source_to_target"."""
-    edge_index, dists = found if return_distances else (found, None)
-    if not loop:
-        keep = (edge_index[0] != edge_index[1]).nonzero().flatten()
-        edge_index = edge_index[:, keep]
-        dists = dists[keep] if dists is not None else None
-    if flow == "source_to_target":
-        edge_index = edge_index.flip(0)
-    return (edge_index, dists) if return_distances else edge_index
