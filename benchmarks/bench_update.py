@@ -8,7 +8,8 @@ Data as benchmarks/bench_gpu.py loads it (a text_embeddings.py file, or clustere
 the device). Three scenarios, each against a fresh build of the same rows in the same run,
 recall@10 at list 64 (exact ground truth from grnnd.knn over the rows the index holds):
   daily inserts  build 90%, then add the other 10% in ten batches of 1% (time of each add);
-  bulk growth    build the first half, add the second half in one call;
+  bulk growth    build the first half, add the second half in one call; and grnnd.merge of the
+                 halves' indexes;
   deletes        remove a random 10% (no removed id may come back), then compact.
 Times: CUDA events on a GPU, wall clock on the CPU. Writes update_<name>.{json,md} under --out.
 """
@@ -73,9 +74,12 @@ def bulk_growth(base, queries, device) -> dict:
     truth = truth_over(base, torch.arange(n, device=device), queries)
     fresh, fresh_s = timed(lambda: grnnd.Index.build(base), device)
     index, build_s = timed(lambda: grnnd.Index.build(base[:n // 2]), device)
+    other = grnnd.Index.build(base[n // 2:])
+    merged, merge_s = timed(lambda: grnnd.merge(index, other), device)
     _, add_s = timed(lambda: index.add(base[n // 2:]), device)
     return {"fresh_build_s": fresh_s, "build_half_s": build_s, "add_half_s": add_s,
-            "recall": recall(index, queries, truth), "fresh_recall": recall(fresh, queries, truth)}
+            "recall": recall(index, queries, truth), "fresh_recall": recall(fresh, queries, truth),
+            "merge_halves_s": merge_s, "merge_recall": recall(merged, queries, truth)}
 
 
 def deletes(base, queries, device) -> dict:
@@ -128,6 +132,8 @@ def main():
              f"{d['fresh_build_s']:.2f} s, {d['fresh_recall']:.4f} |",
              f"| bulk growth: build half, add half | build {b['build_half_s']:.2f} s + add {b['add_half_s']:.2f} s | "
              f"{b['recall']:.4f} | {b['fresh_build_s']:.2f} s, {b['fresh_recall']:.4f} |",
+             f"| bulk growth: merge the two halves' indexes | merge {b['merge_halves_s']:.2f} s | "
+             f"{b['merge_recall']:.4f} | {b['fresh_build_s']:.2f} s, {b['fresh_recall']:.4f} |",
              f"| deletes: remove 10%, compact | remove {r['remove_s'] * 1000:.1f} ms, compact {r['compact_s']:.2f} s "
              f"(removed ids returned before compact: {r['removed_ids_returned']}; recall then "
              f"{r['recall_before_compact']:.4f}) | {r['recall']:.4f} | {r['fresh_build_s']:.2f} s, "

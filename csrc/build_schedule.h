@@ -16,12 +16,35 @@
 // (benchmarks/README.md, scale).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+
+#include <ATen/ATen.h>
 
 #include "params.h"
 #include "progress.h"
 
 namespace grnnd {
+
+// A build may start from entries it is given (the op's `init`), as seed 003's merge (GGM) starts
+// from two built graphs: each vertex's pool first takes its init entries as old ones (pairs of
+// two old entries are never compared, so the rounds spend their distances on what is new), then
+// its S draws as new ones. Entries outside [0, N), the vertex itself and repeats are dropped.
+// Only the first pool_size - S columns are used, so the draws always find room. Returns int32
+// [N, columns] contiguous, or an undefined tensor when there is nothing to start from.
+inline at::Tensor start_entries(const c10::optional<at::Tensor>& init, const at::Tensor& data, const BuildParams& p) {
+  if (!init.has_value() || !init->defined()) return at::Tensor();
+  const at::Tensor& t = *init;
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, "init: expected int32 (a graph as build returns it), got ",
+                   t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == data.size(0), "init: expected shape [", data.size(0),
+                    ", c] (a row per row of data), got ", t.sizes());
+  TORCH_CHECK_VALUE(t.device() == data.device(), "init: expected it on ", data.device(), " like data, got ",
+                    t.device());
+  const int64_t columns = std::min<int64_t>(t.size(1), p.pool_size - p.initial_degree);
+  if (columns <= 0) return at::Tensor();
+  return t.slice(1, 0, columns).contiguous();
+}
 
 constexpr double kOuterDelta = 10.0;
 

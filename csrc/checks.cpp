@@ -1,6 +1,7 @@
 #include "checks.h"
 
 #include "params.h"
+#include "prune.h"
 
 #include <cstdint>
 #include <deque>
@@ -198,6 +199,29 @@ void check_knn_segments_inputs(const at::Tensor& x, const at::Tensor& y, const a
   check_same_device(x, "x", ptr_x, "ptr_x");
   check_same_device(x, "x", batch_y, "batch_y");
   TORCH_CHECK_VALUE(k >= 1, "k: expected >= 1, got ", k);
+}
+
+void check_prune_inputs(const at::Tensor& data, const at::Tensor& vertices, const at::Tensor& candidates,
+                        int64_t degree) {
+  check_points(data, "data");
+  TORCH_CHECK_TYPE(vertices.scalar_type() == at::kLong, "vertices: expected int64, got ", vertices.scalar_type());
+  TORCH_CHECK_TYPE(candidates.scalar_type() == at::kLong || candidates.scalar_type() == at::kInt,
+                   "candidates: expected int32 or int64, got ", candidates.scalar_type());
+  TORCH_CHECK_VALUE(vertices.dim() == 1, "vertices: expected shape [m], got ", vertices.sizes());
+  TORCH_CHECK_VALUE(candidates.dim() == 2 && candidates.size(0) == vertices.size(0), "candidates: expected shape [",
+                    vertices.size(0), ", c] (a row per vertex), got ", candidates.sizes());
+  TORCH_CHECK_VALUE(candidates.size(1) <= kMaxPruneCandidates, "candidates: at most ", kMaxPruneCandidates,
+                    " per vertex, got ", candidates.size(1));
+  TORCH_CHECK_VALUE(degree >= 1 && degree <= kMaxPoolSize, "degree: expected 1 .. ", kMaxPoolSize, ", got ", degree);
+  TORCH_CHECK_VALUE(data.size(0) < (int64_t{1} << 30) - 1, "data: prune_rows takes fewer than 2^30 - 1 rows");
+  check_same_device(data, "data", vertices, "vertices");
+  check_same_device(data, "data", candidates, "candidates");
+  if (vertices.numel() > 0 && contents_readable(vertices)) {
+    const auto [lo, hi] = at::aminmax(vertices);
+    const int64_t low = lo.item<int64_t>(), high = hi.item<int64_t>();
+    TORCH_CHECK_VALUE(low >= 0 && high < data.size(0), "vertices: expected ids in [0, ", data.size(0), "), found ",
+                      low < 0 ? low : high);
+  }
 }
 
 }  // namespace grnnd

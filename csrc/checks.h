@@ -51,5 +51,10 @@ void check_knn_inputs(const at::Tensor& data, const at::Tensor& queries, int64_t
 // and batch_y [ny], all on one device. Values are not read: the kernels clamp them (segments.h).
 void check_knn_segments_inputs(const at::Tensor& x, const at::Tensor& y, const at::Tensor& ptr_x,
                                const at::Tensor& batch_y, int64_t k);
+// prune_rows (prune.h): data [n, D], int64 vertices [m] in [0, n) (read where contents are
+// readable), int32/int64 candidates [m, c] with c <= kMaxPruneCandidates (any values: those
+// outside [0, n) are no candidates), 1 <= degree <= kMaxPoolSize.
+void check_prune_inputs(const at::Tensor& data, const at::Tensor& vertices, const at::Tensor& candidates,
+                        int64_t degree);
 
 }  // namespace grnnd

@@ -25,10 +25,12 @@ extern "C" PyObject* PyInit__C(void) {
 
 TORCH_LIBRARY(grnnd, m) {
   // GRNND graph build (seed 000, Algorithm 3). Defaults were measured: benchmarks/tune_build.py.
+  // init: optional int32 [N, c] entries each vertex starts with besides its S draws, as already
+  // compared ("old", seed 003's merge of built graphs), -1 padded (build_schedule.h, start_pools).
   m.def(
       "build(Tensor data, *, int degree=32, int initial_degree=16, int pool_size=48, int outer_iters=8, "
       "int inner_iters=8, float reverse_ratio=0.6, str update_order=\"random\", str metric=\"l2\", "
-      "int seed=0, float delta=0.01, str start=\"hubs\") -> Tensor");
+      "int seed=0, float delta=0.01, str start=\"hubs\", Tensor? init=None) -> Tensor");
   // Batched greedy graph search; list_size=0 means max(k, 64). No argument is keyword-only:
   // torch.library.register_autograd (torch_grnnd/autograd.py) rejects keyword-only tensors
   // such as `filter`; the Python wrapper keeps them keyword-only for callers.
@@ -49,6 +51,13 @@ TORCH_LIBRARY(grnnd, m) {
   // back to back: example b of x is rows ptr_x[b] .. ptr_x[b + 1], row i of y is in example
   // batch_y[i]); squared l2, -1 / +inf padded where an example has fewer than k rows.
   m.def("knn_segments(Tensor x, Tensor y, Tensor ptr_x, Tensor batch_y, int k) -> (Tensor, Tensor)");
+  // The build's relative-neighbourhood rule applied to chosen rows (csrc/prune.h): for each
+  // vertices[i], a row of at most `degree` of its candidates[i] (-1 padded, any values; those
+  // outside [0, n) are ignored), as editing an index needs; the first `fixed` columns are kept
+  // whatever the rule says. int32 [m, degree].
+  m.def(
+      "prune_rows(Tensor data, Tensor vertices, Tensor candidates, int degree, *, str metric=\"l2\", "
+      "bool rule=True, int fixed=0) -> Tensor");
   // The hubs of data's rows (csrc/hubs.h): int64 ids, empty for small data.
   m.def("hub_ids(Tensor data) -> Tensor");
   // k nearest neighbours of every row of data among the other rows.
@@ -70,7 +79,8 @@ namespace {
 
 TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
   m.impl("build", [](const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, double, c10::string_view,
-                     c10::string_view, int64_t, double, c10::string_view) -> at::Tensor { no_cuda_kernel("build"); });
+                     c10::string_view, int64_t, double, c10::string_view,
+                     const c10::optional<at::Tensor>&) -> at::Tensor { no_cuda_kernel("build"); });
   m.impl("search", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
                       c10::string_view, int64_t, const c10::optional<at::Tensor>&, int64_t,
                       int64_t) -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("search"); });
@@ -80,5 +90,7 @@ TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
             int64_t) -> at::Tensor { no_cuda_kernel("search_distance_counts"); });
   m.impl("knn", [](const at::Tensor&, const at::Tensor&, int64_t, c10::string_view)
                     -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("knn"); });
+  m.impl("prune_rows", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, c10::string_view, bool,
+                          int64_t) -> at::Tensor { no_cuda_kernel("prune_rows"); });
 }
 #endif

@@ -2,7 +2,10 @@
 
     compute-sanitizer --tool memcheck python tests/sanitizer_workload.py
     compute-sanitizer --tool racecheck python tests/sanitizer_workload.py
+    compute-sanitizer --tool racecheck python tests/sanitizer_workload.py editing   # one part
 """
+import sys
+
 import torch
 
 import torch_grnnd as grnnd
@@ -29,6 +32,7 @@ def main():
     edge_sizes(g)
     hubs_and_repair(g)
     segments(g)
+    editing(g)
     torch.cuda.synchronize()
     print("sanitizer workload done")
 
@@ -89,5 +93,32 @@ def segments(g: torch.Generator):
         torch.ops.grnnd.knn_segments(x, x, ptr_x, batch, k)
 
 
+def editing(g: torch.Generator):
+    """prune_rows at every team size and storage type, with repeats, self, -1 and ids past the
+    data among the candidates, widths below one warp and up to the limit (2048); then an index
+    edited as a user would: add (reverse edges into full rows), remove, compact."""
+    for dtype, metric, dim in [(torch.float32, "l2", 3), (torch.float16, "cosine", 64), (torch.bfloat16, "ip", 30),
+                               (torch.float32, "l2", 1100)]:
+        data = torch.randn(700, dim, generator=g, device="cuda").to(dtype)
+        vertices = torch.randint(0, 700, (90,), generator=g, device="cuda")
+        for width, degree in [(5, 4), (81, 32), (300, 16), (2048, 64)]:
+            candidates = torch.randint(-3, 720, (90, width), generator=g, device="cuda")
+            candidates[:, 0] = vertices
+            for rule in (True, False):
+                torch.ops.grnnd.prune_rows(data, vertices, candidates, degree, metric=metric, rule=rule)
+    data = torch.randn(6000, 16, generator=g, device="cuda")
+    index = grnnd.Index.build(data[:4000], degree=16, pool_size=32, outer_iters=2, inner_iters=2)
+    index.add(data[4000:5000])
+    index.add(data[5000:])
+    index.remove(torch.arange(0, 6000, 7, device="cuda"))
+    index.compact()
+    index.search(data[:10], 5)
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1:
+        getattr(sys.modules[__name__], sys.argv[1])(torch.Generator(device="cuda").manual_seed(0))
+        torch.cuda.synchronize()
+        print("sanitizer workload done")
+    else:
+        main()

@@ -212,3 +212,57 @@ def test_a_state_with_repeated_ids_is_refused():
     state["ids"] = torch.arange(199)
     with pytest.raises(ValueError, match=r"ids: expected shape \[200\]"):
         grnnd.Index.from_state_dict(state)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_storage_grows_by_half_so_adds_rarely_copy(vectors, device):
+    data = vectors[0][:4000].to(device)
+    index = grnnd.Index.build(data[:1000])
+    assert index.capacity == 1000
+    moves = 0
+    for start in range(1000, 4000, 100):
+        before = index.data.data_ptr()
+        index.add(data[start:start + 100])
+        moves += index.data.data_ptr() != before
+    # 30 adds, storage 1000 -> 1500 -> 2250 -> 3375 -> 4950 rows.
+    assert moves == 4 and index.capacity == 4950 and len(index) == 4000
+    assert torch.equal(index.data, data) and index.graph.shape == (4000, 32)
+    index.reserve(6000)
+    before = index.data.data_ptr()
+    index.add(vectors[1].to(device))
+    assert index.data.data_ptr() == before and index.capacity == 6000
+    # The saved state holds the rows, not the room; loading makes the room again.
+    state = index.state_dict()
+    assert state["data"].untyped_storage().nbytes() == 4500 * 32 * 4 and state["capacity"] == 6000
+    restored = grnnd.Index.from_state_dict(state)
+    assert restored.capacity == 6000 and torch.equal(restored.search(data[:50], 5)[1], index.search(data[:50], 5)[1])
+
+
+def test_a_failed_add_into_reserved_room_changes_nothing(vectors, monkeypatch):
+    data = vectors[0][:2000]
+    index = grnnd.Index.build(data[:1500])
+    index.reserve(3000)
+    graph, rows = index.graph.clone(), index.data.clone()
+
+    def fail(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+    monkeypatch.setattr(grnnd.editing, "prune_rows", fail)
+    with pytest.raises(torch.OutOfMemoryError):
+        index.add(data[1500:1600])
+    assert torch.equal(index.graph, graph) and torch.equal(index.data, rows) and len(index) == 1500
+
+
+def test_retriever_keeps_its_room_between_adds(vectors):
+    data = vectors[0][:3000]
+    retriever = grnnd.nn.Retriever(data[:1000], k=5)
+    moves = 0
+    for start in range(1000, 3000, 100):
+        before = retriever.data.data_ptr()
+        retriever.add(data[start:start + 100])
+        moves += retriever.data.data_ptr() != before
+    assert moves == 3 and torch.equal(retriever.data, data)
+    state = retriever.state_dict()
+    assert state["data"].untyped_storage().nbytes() == 3000 * 32 * 4
+    restored = grnnd.nn.Retriever()
+    restored.load_state_dict(state)
+    assert torch.equal(restored(data[:20])[1], retriever(data[:20])[1])

@@ -5,7 +5,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import editing, ops
+from . import editing, merging, ops
 from .params import BuildParams, SearchParams
 from .progress import Progress
 
@@ -42,6 +42,8 @@ class Index:
         self.build_params = build_params if build_params is not None else BuildParams()
         self.ids = None if ids is None else check_ids(ids, data, distinct=False)
         self.removed = None if removed is None else check_removed(removed, data)
+        # Storage with room for more rows (reserve, add): data and graph are its first rows.
+        self._store: Optional[Tuple[Tensor, Tensor]] = None
 
     @classmethod
     def build(cls, data: Tensor, params: Optional[BuildParams] = None, *, metric: ops.Metric = "l2",
@@ -103,12 +105,55 @@ class Index:
         found = ops.search(data, self.graph, vectors, pool, list_size=max(64, pool), filter=live,
                            metric=self.metric)[1] if pool > 0 else vectors.new_zeros(b, 0, dtype=torch.long)
         among = ops.knn(vectors, vectors, min(b, self.graph.shape[1] + 1), metric=self.metric)[1] + n
-        all_data = torch.cat([data, vectors])
-        graph = editing.link_new_rows(editing.build_space(all_data, self.metric), self.graph,
-                                      torch.cat([found, among], dim=1))
+        # The new rows go to storage rows the index does not use yet; nothing it uses changes
+        # until every step that can fail has run.
+        store_data, store_graph = self._room_for(b)
+        store_data[n:n + b] = vectors
+        new_rows, changed, changed_rows = editing.link_new_rows(
+            store_data[:n + b], self.metric, self.graph, torch.cat([found, among], dim=1))
         removed = None if self.removed is None else torch.cat(
             [self.removed, torch.zeros(b, dtype=torch.bool, device=self.device)])
-        self.data, self.graph, self.ids, self.removed = all_data, graph, new_ids, removed
+        store_graph[n:n + b] = new_rows
+        store_graph[changed] = changed_rows
+        self._store = store_data, store_graph
+        self.data, self.graph, self.ids, self.removed = store_data[:n + b], store_graph[:n + b], new_ids, removed
+
+    def reserve(self, capacity: int) -> None:
+        """Make room for ``capacity`` rows in all, so that adds up to that many copy none of the
+        rows already held. ``add`` grows the room by half when a batch does not fit."""
+        n = self.data.shape[0]
+        if capacity > self.capacity:
+            data = self.data.new_empty(capacity, self.data.shape[1])
+            graph = self.graph.new_empty(capacity, self.graph.shape[1])
+            data[:n], graph[:n] = self.data, self.graph
+            self._store = data, graph
+            self.data, self.graph = data[:n], graph[:n]
+
+    @property
+    def capacity(self) -> int:
+        """Rows the index holds or has room for without copying its storage."""
+        if self._store is None or not self._stored(self.data, self._store[0]) \
+                or not self._stored(self.graph, self._store[1]):
+            return self.data.shape[0]
+        return self._store[0].shape[0]
+
+    @staticmethod
+    def _stored(view: Tensor, store: Tensor) -> bool:
+        """Whether ``view`` is still the first rows of ``store`` (not replaced since)."""
+        return view.data_ptr() == store.data_ptr() and view.shape[1:] == store.shape[1:]
+
+    def _room_for(self, b: int) -> Tuple[Tensor, Tensor]:
+        """Storage (data, graph) whose first rows are the index's and that has room for ``b``
+        more: the current one, or a new one half as large again (filled with the index's rows;
+        the index itself is not changed)."""
+        n = self.data.shape[0]
+        if self.capacity >= n + b:
+            return self._store
+        capacity = max(n + b, n + n // 2)
+        data = self.data.new_empty(capacity, self.data.shape[1])
+        graph = self.graph.new_empty(capacity, self.graph.shape[1])
+        data[:n], graph[:n] = self.data, self.graph
+        return data, graph
 
     def remove(self, ids: Tensor) -> None:
         """Hide the vectors with these ids (user ids, or row numbers without them) from every
@@ -130,10 +175,10 @@ class Index:
         Ids stay as they were (row numbers become user ids if the index had none)."""
         if self.removed is None:
             return
-        space = editing.build_space(self.data, self.metric)
-        kept, graph = editing.consolidate(space, self.graph, self.removed)
+        kept, graph = editing.consolidate(self.data, self.metric, self.graph, self.removed)
         ids = self.ids if self.ids is not None else torch.arange(self.data.shape[0], device=self.device)
         self.data, self.graph, self.ids, self.removed = self.data[kept], graph, ids[kept], None
+        self._store = None
 
     def rows_of(self, ids: Tensor) -> Tensor:
         """Row numbers (int64 [len(ids)], on the index's device) of these ids; raises on unknown ids."""
@@ -174,8 +219,9 @@ class Index:
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to restore the index, as tensors, strings and numbers."""
-        state = {"data": self.data, "graph": self.graph, "metric": self.metric,
-                 "build_params": dataclasses.asdict(self.build_params)}
+        # Rows held, not the room reserved past them (torch.save writes a view's whole storage).
+        state = {"data": _own_storage(self.data), "graph": _own_storage(self.graph), "metric": self.metric,
+                 "build_params": dataclasses.asdict(self.build_params), "capacity": self.capacity}
         if self.ids is not None:
             state["ids"] = self.ids
         if self.removed is not None:
@@ -193,12 +239,22 @@ class Index:
         data, graph, metric = state["data"], state["graph"], state["metric"]
         check_state(data, graph, metric)
         ids = state.get("ids")
-        return cls(data, graph, metric, BuildParams().replace(**state.get("build_params", {})),
-                   ids=None if ids is None else check_ids(ids, data), removed=state.get("removed"))
+        index = cls(data, graph, metric, BuildParams().replace(**state.get("build_params", {})),
+                    ids=None if ids is None else check_ids(ids, data), removed=state.get("removed"))
+        capacity = state.get("capacity", 0)
+        if not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"state: capacity must be a non-negative int, got {capacity!r}")
+        index.reserve(capacity)
+        return index
 
     def __repr__(self) -> str:
         return (f"Index(n={len(self)}, dim={self.dim}, degree={self.graph.shape[1]}, metric={self.metric!r}, "
                 f"dtype={self.data.dtype}, device={self.device})")
+
+
+def _own_storage(t: Tensor) -> Tensor:
+    """``t``, copied if it is a view of a larger storage."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 def check_state(data: Any, graph: Any, metric: Any) -> None:
@@ -243,3 +299,34 @@ def check_removed(removed: Any, data: Tensor) -> Tensor:
     if not isinstance(removed, Tensor) or removed.dtype != torch.bool or removed.shape != (data.shape[0],):
         raise ValueError(f"removed: expected a bool tensor of shape [{data.shape[0]}]")
     return removed.to(data.device)
+
+
+def merge(a: Index, b: Index, *, progress: Progress = False, **settings: Any) -> Index:
+    """One index over the vectors of ``a`` and ``b`` (b's rows after a's), without rebuilding
+    either: the union's graph starts from both graphs and the build's rounds find the edges
+    between them (:mod:`torch_grnnd.merging`). ``settings``: fields of
+    :class:`~torch_grnnd.BuildParams` over ``a``'s. User ids and tombstones are kept; both
+    indexes must have ids or neither, and no id may be in both."""
+    if not isinstance(a, Index) or not isinstance(b, Index):
+        raise TypeError(f"merge: expected two Index objects, got {type(a).__name__} and {type(b).__name__}")
+    if a.metric != b.metric:
+        raise ValueError(f"merge: the indexes use different metrics ({a.metric!r} and {b.metric!r})")
+    if a.dim != b.dim or a.data.dtype != b.data.dtype or a.device != b.device:
+        raise ValueError(f"merge: expected vectors of one width, dtype and device, got [*, {a.dim}] {a.data.dtype} on "
+                         f"{a.device} and [*, {b.dim}] {b.data.dtype} on {b.device}")
+    if (a.ids is None) != (b.ids is None):
+        raise ValueError("merge: one index has user ids and the other has none; give both ids (Index.build(ids=...))")
+    ids = None
+    if a.ids is not None:
+        both = torch.isin(b.ids, a.ids)
+        if bool(both.any()):
+            raise ValueError(f"merge: ids in both indexes: {b.ids[both][:5].tolist()}")
+        ids = torch.cat([a.ids, b.ids])
+    removed = None
+    if a.removed is not None or b.removed is not None:
+        removed = torch.cat([r if r is not None else torch.zeros(ix.data.shape[0], dtype=torch.bool, device=a.device)
+                             for ix, r in ((a, a.removed), (b, b.removed))])
+    params = BuildParams.merge(a.build_params, **settings)
+    data, graph = merging.merge_graphs(a.data, a.graph, b.data, b.graph, params, a.metric, progress)
+    return Index(data, graph, a.metric, params, ids=ids, removed=removed)
+

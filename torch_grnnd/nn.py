@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .graph import knn_graph
-from .index import Index, check_ids, check_removed, check_state
+from .index import Index, _own_storage, check_ids, check_removed, check_state
 from .ops import Metric
 from .params import BuildParams, SearchParams
 from .progress import Progress
@@ -92,6 +92,9 @@ class Retriever(nn.Module):
         # User ids and tombstones; empty when the index has none.
         self.register_buffer("ids", torch.empty(0, dtype=torch.long))
         self.register_buffer("removed", torch.empty(0, dtype=torch.bool))
+        # Index storage with room past the buffers (Index.reserve), kept between adds.
+        self._store: Optional[Tuple[Tensor, Tensor]] = None
+        self._register_state_dict_hook(_saved_without_room)
         if data is not None:
             self.rebuild(data, progress=progress)
 
@@ -106,8 +109,10 @@ class Retriever(nn.Module):
     @property
     def index(self) -> Index:
         """The buffers as an :class:`~torch_grnnd.Index` (no copy)."""
-        return Index(self.data, self.graph, self.metric, self.build_params,
-                     ids=self.ids if self.ids.numel() else None, removed=self.removed if self.removed.numel() else None)
+        index = Index(self.data, self.graph, self.metric, self.build_params,
+                      ids=self.ids if self.ids.numel() else None, removed=self.removed if self.removed.numel() else None)
+        index._store = self._store  # Index.capacity ignores it once the buffers were replaced
+        return index
 
     def rebuild(self, data: Tensor, *, ids: Optional[Tensor] = None, progress: Progress = False) -> "Retriever":
         """Index ``data`` (its rows, detached, without a copy) in place of the current vectors;
@@ -136,7 +141,7 @@ class Retriever(nn.Module):
         return self._take(index)
 
     def _take(self, index: Index) -> "Retriever":
-        self.data, self.graph = index.data, index.graph
+        self.data, self.graph, self._store = index.data, index.graph, index._store
         self.ids = index.ids if index.ids is not None else self.ids.new_empty(0)
         self.removed = index.removed if index.removed is not None else self.removed.new_empty(0)
         return self
@@ -183,3 +188,11 @@ class Retriever(nn.Module):
     def extra_repr(self) -> str:
         return (f"n={self.data.shape[0]}, dim={self.data.shape[1]}, k={self.k}, metric={self.metric!r}, "
                 f"list_size={self.list_size}")
+
+
+def _saved_without_room(module: Retriever, state: Dict[str, Any], prefix: str, _metadata: Any) -> None:
+    """A Retriever's state holds its rows, not the room reserved past them (torch.save writes a
+    view's whole storage)."""
+    for name in ("data", "graph"):
+        state[prefix + name] = _own_storage(state[prefix + name])
+

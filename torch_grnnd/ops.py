@@ -20,7 +20,7 @@ Metric = str  # "l2" (squared Euclidean) | "ip" (negative inner product) | "cosi
 
 
 def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric = "l2", progress: Progress = False,
-          **settings: Any) -> Tensor:
+          init: Optional[Tensor] = None, **settings: Any) -> Tensor:
     """Build a GRNND graph (GPU-parallel Relative NN-Descent) over the rows of ``data``.
 
     Starting from ``S`` neighbours per vertex (most from the cells of its nearest hubs), outer
@@ -38,6 +38,10 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
             ``progress(done, total)`` or ``progress(done, total, changes)``; see
             :mod:`torch_grnnd.progress`. Ignored inside ``torch.compile``; on CUDA each report
             costs a stream synchronisation.
+        init: optional int32 [N, c] neighbours each row starts with (a graph over the same rows,
+            -1 padded), taken as already compared: the rounds then spend their distances on the
+            pairs the S draws bring in. :func:`torch_grnnd.merge` starts from the two graphs it
+            merges. At most ``pool_size - S`` columns are used.
         **settings: any field of :class:`~torch_grnnd.BuildParams` (``degree=16``, ...),
             overriding ``params``.
 
@@ -57,7 +61,7 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
         return torch.ops.grnnd.build.default(
             data, degree=p.degree, initial_degree=p.initial_degree, pool_size=p.pool_size,
             outer_iters=p.outer_iters, inner_iters=p.inner_iters, reverse_ratio=p.reverse_ratio,
-            update_order=p.update_order, metric=metric, seed=p.seed, delta=p.delta, start=p.start)
+            update_order=p.update_order, metric=metric, seed=p.seed, delta=p.delta, start=p.start, init=init)
 
     if not torch.compiler.is_compiling():  # a compiled graph cannot hold a host-side log call
         logger.debug("build: %s %s on %s, metric=%s, %s", tuple(data.shape), data.dtype, data.device, metric, p)
@@ -175,3 +179,9 @@ def _knn_graph_fake(data, k, **_):
 @torch.library.register_fake("grnnd::knn_segments")
 def _knn_segments_fake(x, y, ptr_x, batch_y, k):
     return _query_outputs(x, y, k)
+
+
+@torch.library.register_fake("grnnd::prune_rows")
+def _prune_rows_fake(data, vertices, candidates, degree, **_):
+    return data.new_empty((vertices.shape[0], degree), dtype=torch.int32)
+

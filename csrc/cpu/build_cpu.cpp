@@ -16,6 +16,7 @@
 #include "../hubs.h"
 #include "../min_degree.h"
 #include "../philox.h"
+#include "../prune.h"
 #include "../reachability.h"
 #include "vectors_cpu.h"
 
@@ -97,10 +98,18 @@ class Pools {
 };
 
 // Line 4 of Algorithm 3: S random distinct neighbours (self and repeats are dropped, so a
-// vertex may start with slightly fewer), drawn where start_cell (params.h, hubs.h) says.
-void initialise(const VectorSet& vectors, int64_t n, const BuildParams& p, const Cells& cells, Pools& pools) {
+// vertex may start with slightly fewer), drawn where start_cell (params.h, hubs.h) says; after
+// the entries of `init` where given, as old ones (build_schedule.h, start_entries).
+void initialise(const VectorSet& vectors, int64_t n, const BuildParams& p, const Cells& cells, const at::Tensor& init,
+                Pools& pools) {
   const CellView view = cell_view(cells);
+  const int64_t columns = init.defined() ? init.size(1) : 0;
+  const int32_t* start = init.defined() ? init.data_ptr<int32_t>() : nullptr;
   parallel_dynamic(n, 256, [&](int64_t v) {
+    for (int64_t c = 0; c < columns; ++c) {
+      const int32_t u = start[v * columns + c];
+      if (u >= 0 && u < n && u != v) pools.insert(0, v, u, vectors(v, u), false);
+    }
     for (int s = 0; s < p.initial_degree; ++s) {
       const uint32_t r = random_u32(p.seed, Stream::kInitialNeighbours, static_cast<uint32_t>(v), 0, s);
       const int64_t u = initial_neighbour(view, v, s, p.initial_degree, r, n);
@@ -201,7 +210,8 @@ void sample_reverse_edges(int64_t n, Pools& pools, int read, const BuildParams& 
 
 at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_degree, int64_t pool_size,
                      int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
-                     c10::string_view metric, int64_t seed, double delta, c10::string_view start) {
+                     c10::string_view metric, int64_t seed, double delta, c10::string_view start,
+                     const c10::optional<at::Tensor>& init) {
   check_build_inputs(data);
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
                                           std::string(update_order), std::string(metric), seed, delta,
@@ -209,15 +219,12 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
   const int64_t n = data.size(0);
   const at::Tensor x = prepare_vectors(data, p.metric);
   VectorSet vectors{x.data_ptr<float>(), x.size(1), p.metric};
-  at::Tensor lift;
-  if (lifts_inner_product(p.metric)) {
-    const at::Tensor sq_norms = x.pow(2).sum(1);
-    lift = (sq_norms.max() - sq_norms).clamp_min(0).sqrt().contiguous();
-    vectors.lift = lift.data_ptr<float>();
-  }
+  const at::Tensor lift = inner_product_lift(x, p.metric);
+  if (lift.defined()) vectors.lift = lift.data_ptr<float>();
 
   Pools pools(n, p.pool_size);
-  initialise(vectors, n, p, p.start == Start::kHubs ? partition_cells(x, lift) : Cells{}, pools);
+  initialise(vectors, n, p, p.start == Start::kHubs ? partition_cells(x, lift) : Cells{}, start_entries(init, data, p),
+             pools);
   int read = 0;
   run_schedule(
       p, n,

@@ -24,6 +24,7 @@
 #include "../hubs.h"
 #include "../min_degree.h"
 #include "../philox.h"
+#include "../prune.h"
 #include "../reachability.h"
 #include "vectors_cuda.cuh"
 #include "warp_cuda.cuh"
@@ -199,10 +200,12 @@ __device__ __forceinline__ int64_t warp_vertex() {
 }
 
 // Line 4 of Algorithm 3: S distinct neighbours, the CPU's draws (initial_neighbour; self and
-// repeats are dropped in draw order, so the pool matches the CPU's slot for slot).
+// repeats are dropped in draw order), after the entries of `init` where given, as old ones
+// (build_schedule.h, start_entries): the pool matches the CPU's slot for slot.
 template <typename T, int TEAM>
 __global__ void __launch_bounds__(kBlockThreads)
-    initialise_kernel(const T* __restrict__ x, DevicePools pools, BuildArgs args, int initial_degree) {
+    initialise_kernel(const T* __restrict__ x, DevicePools pools, BuildArgs args, int initial_degree,
+                      const int32_t* __restrict__ init, int init_columns) {
   constexpr int kTeams = kWarpSize / TEAM;
   const int64_t v = warp_vertex();
   if (v >= pools.n) return;
@@ -212,22 +215,30 @@ __global__ void __launch_bounds__(kBlockThreads)
     const uint32_t r = random_u32(args.seed, Stream::kInitialNeighbours, static_cast<uint32_t>(v), 0, t);
     s.key[t] = static_cast<uint32_t>(initial_neighbour(args.cells, v, t, initial_degree, r, args.n));
   }
-  __syncwarp();
+  // A candidate joins unless it is v, outside the data, or already in the pool; entries are
+  // taken in order, 32 at a time, each behind the ones of lower lanes.
   int count = 0;
-  for (int base = 0; base < initial_degree; base += kWarpSize) {
-    const int t = base + lane;
-    bool fresh = false;
-    uint32_t u = 0;
-    if (t < initial_degree) {
-      u = s.key[t];
-      fresh = u != static_cast<uint32_t>(v);
-      for (int j = 0; j < t && fresh; ++j) fresh = s.key[j] != u;
-    }
+  const auto append = [&](uint32_t u, bool candidate) {
+    bool fresh = candidate && u != static_cast<uint32_t>(v) && u < static_cast<uint64_t>(args.n);
+    for (int j = 0; j < count && fresh; ++j) fresh = s.slot[j] != u;
+    const unsigned same = __match_any_sync(kFullMask, fresh ? u : 0xffffffffu);
+    fresh = fresh && (same & lanes_below(lane)) == 0;
     const unsigned mask = __ballot_sync(kFullMask, fresh);
     if (fresh) s.slot[count + __popc(mask & lanes_below(lane))] = u;
     count += __popc(mask);
+    __syncwarp();
+  };
+  for (int base = 0; base < init_columns; base += kWarpSize) {
+    const int c = base + lane;
+    const int32_t u = c < init_columns ? init[v * init_columns + c] : -1;
+    append(static_cast<uint32_t>(u), u >= 0);
   }
+  const int old_count = count;
   __syncwarp();
+  for (int base = 0; base < initial_degree; base += kWarpSize) {
+    const int t = base + lane;
+    append(t < initial_degree ? s.key[t] : 0u, t < initial_degree);
+  }
   uint32_t* slot = pools.slots_of(0, v);
   float* dist = pools.dists_of(0, v);
   for (int g0 = 0; g0 < count; g0 += kTeams) {
@@ -236,7 +247,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int64_t u = valid ? s.slot[g] : v;
     const float d = row_distance<TEAM>(x, args, v, u, valid, rank);
     if (valid && rank == 0) {
-      slot[g] = pack_slot(static_cast<int32_t>(u), true);
+      slot[g] = pack_slot(static_cast<int32_t>(u), g >= old_count);
       dist[g] = d;
     }
   }
@@ -407,13 +418,15 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 template <typename T, int TEAM>
 void run_build(const T* x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p, int32_t* graph,
-               const at::Tensor& changes, cudaStream_t stream) {
+               const at::Tensor& changes, const at::Tensor& init, cudaStream_t stream) {
   const int64_t n = pools.n;
   const unsigned blocks = static_cast<unsigned>(ceil_div(n, kWarpsPerBlock));
   const size_t shared = scratch_bytes(pools.capacity);
   const size_t buffer_slots = static_cast<size_t>(n) * pools.capacity;
 
-  initialise_kernel<T, TEAM><<<blocks, kBlockThreads, shared, stream>>>(x, pools, args, p.initial_degree);
+  initialise_kernel<T, TEAM><<<blocks, kBlockThreads, shared, stream>>>(
+      x, pools, args, p.initial_degree, init.defined() ? init.data_ptr<int32_t>() : nullptr,
+      init.defined() ? static_cast<int>(init.size(1)) : 0);
   check_launch();
   int read = 0;
   auto update = [&](UpdateOrder order, uint32_t round, bool count) -> int64_t {
@@ -445,23 +458,23 @@ void run_build(const T* x, const DevicePools& pools, const BuildArgs& args, cons
 
 template <typename T>
 void dispatch_team(const at::Tensor& x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p,
-                   int32_t* graph, const at::Tensor& changes, cudaStream_t stream) {
+                   int32_t* graph, const at::Tensor& changes, const at::Tensor& init, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, double>) {
     TORCH_CHECK(false, "build: float64 storage reached the CUDA kernel (prepare_vectors narrows it)");
   } else {
     const T* base = x.data_ptr<T>();
     switch (team_for_row(x.size(1) * x.element_size())) {
       case 4:
-        run_build<T, 4>(base, pools, args, p, graph, changes, stream);
+        run_build<T, 4>(base, pools, args, p, graph, changes, init, stream);
         break;
       case 8:
-        run_build<T, 8>(base, pools, args, p, graph, changes, stream);
+        run_build<T, 8>(base, pools, args, p, graph, changes, init, stream);
         break;
       case 16:
-        run_build<T, 16>(base, pools, args, p, graph, changes, stream);
+        run_build<T, 16>(base, pools, args, p, graph, changes, init, stream);
         break;
       default:
-        run_build<T, 32>(base, pools, args, p, graph, changes, stream);
+        run_build<T, 32>(base, pools, args, p, graph, changes, init, stream);
         break;
     }
   }
@@ -494,21 +507,18 @@ int64_t free_device_bytes(c10::DeviceIndex device) {
 
 at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_degree, int64_t pool_size,
                       int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
-                      c10::string_view metric, int64_t seed, double delta, c10::string_view start) {
+                      c10::string_view metric, int64_t seed, double delta, c10::string_view start,
+                      const c10::optional<at::Tensor>& init) {
   check_build_inputs(data);
   const c10::cuda::CUDAGuard guard(data.device());
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
                                           std::string(update_order), std::string(metric), seed, delta,
                                           std::string(start));
   const int64_t n = data.size(0);
+  const at::Tensor init_entries = start_entries(init, data, p);
   const at::Tensor x = prepare_vectors(data, p.metric);
   // Inner product is built on lifted l2 exactly as on the CPU (params.h, lifts_inner_product).
-  at::Tensor lift;
-  if (lifts_inner_product(p.metric)) {
-    // Norms reduced in float32 straight from the storage type, without a float32 copy of the data.
-    const at::Tensor sq_norms = at::linalg_vector_norm(x, 2, {1}, false, at::kFloat).pow_(2);
-    lift = (sq_norms.max() - sq_norms).clamp_min(0).sqrt().contiguous();
-  }
+  const at::Tensor lift = inner_product_lift(x, p.metric);
   // Everything the rounds use, allocated once before the first kernel (section 3.5: no
   // allocation in the loop): 2 x [N, R] slots and distances, 2 x [N] counts, [N] locks, [N]
   // change counts, the [N, degree] graph; and the start's cells (12 bytes a row). Checked
@@ -559,7 +569,7 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
                        changes.data_ptr<int>()};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index());
   GRNND_DISPATCH_STORAGE(x.scalar_type(), "grnnd_build_cuda",
-                         [&] { dispatch_team<scalar_t>(x, pools, args, p, graph.data_ptr<int32_t>(), changes, stream); });
+                         [&] { dispatch_team<scalar_t>(x, pools, args, p, graph.data_ptr<int32_t>(), changes, init_entries, stream); });
   // The pools are no longer needed; the repairs' own scratch is small.
   slots = dists = at::Tensor();
   fill_short_rows(graph, x, lift);

@@ -1,0 +1,65 @@
+"""grnnd.merge of two built halves against a fresh build of the whole set, same run.
+
+    python benchmarks/bench_merge.py --data clustered:n=10000000,d=128,clusters=10000,queries=10000
+    python benchmarks/bench_merge.py --device cpu --data clustered:n=40000,d=32,clusters=40,queries=1000
+
+Data as benchmarks/bench_gpu.py loads it. recall@10 at list 64 against exact neighbours
+(grnnd.knn); times are CUDA events on a GPU, wall clock on the CPU. Writes
+merge_<name>.{json,md} under --out.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch_grnnd as grnnd  # noqa: E402
+from benchmarks.bench_gpu import load_data  # noqa: E402
+from benchmarks.bench_update import K, LIST, recall, timed  # noqa: E402
+from benchmarks.report import machine, machine_line  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default="clustered:n=10000000,d=128,clusters=10000,queries=10000")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    name, base, queries, _ = load_data(args.data, device)
+    if device.type == "cpu":
+        base, queries = base.float(), queries.float()
+    n = base.shape[0]
+    grnnd.build(base[: min(50_000, n)])  # warm-up
+    truth = grnnd.knn(base, queries, K)[1]
+    fresh, fresh_s = timed(lambda: grnnd.Index.build(base), device)
+    fresh_recall = recall(fresh, queries, truth)
+    del fresh
+    a, a_s = timed(lambda: grnnd.Index.build(base[: n // 2]), device)
+    b, b_s = timed(lambda: grnnd.Index.build(base[n // 2:]), device)
+    merged, merge_s = timed(lambda: grnnd.merge(a, b), device)
+    r = {"data": name, "n": n, "dim": base.shape[1], "list_size": LIST,
+         "machine": machine(threads=torch.get_num_threads(), cuda=device.type == "cuda"),
+         "fresh_build_s": fresh_s, "fresh_recall": fresh_recall, "build_halves_s": [a_s, b_s], "merge_s": merge_s,
+         "merge_recall": recall(merged, queries, truth)}
+    print(json.dumps(r), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"merge_{name}")
+    with open(stem + ".json", "w") as f:
+        json.dump(r, f, indent=1)
+    lines = [f"# Merge of two halves, {name} ({n:,} x {r['dim']})", "",
+             f"Machine: {machine_line(r['machine'])}. recall@10 at list {LIST}; `python benchmarks/bench_merge.py`.",
+             "", "| | time | recall |", "|---|---|---:|",
+             f"| fresh build of all rows | {fresh_s:.2f} s | {fresh_recall:.4f} |",
+             f"| build of each half | {a_s:.2f} s + {b_s:.2f} s | |",
+             f"| grnnd.merge of the halves | {merge_s:.2f} s ({merge_s / fresh_s:.0%} of the fresh build) | "
+             f"{r['merge_recall']:.4f} |"]
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("wrote", stem + ".json", stem + ".md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+// prune_rows on the CPU: the twin of csrc/cuda/prune_cuda.cu, the recipe of csrc/prune.h with
+// one thread per row.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "../min_degree.h"
+#include "../prune.h"
+#include "vectors_cpu.h"
+
+namespace grnnd {
+namespace cpu {
+namespace {
+
+at::Tensor prune_rows_cpu(const at::Tensor& data, const at::Tensor& vertices, const at::Tensor& candidates,
+                          int64_t degree, c10::string_view metric_name, bool rule, int64_t fixed) {
+  check_prune_inputs(data, vertices, candidates, degree);
+  const Metric metric = parse_metric(std::string(metric_name));
+  const at::Tensor x = prepare_vectors(data, metric);
+  VectorSet vectors{x.data_ptr<float>(), x.size(1), metric};
+  const at::Tensor lift = inner_product_lift(x, metric);
+  if (lift.defined()) vectors.lift = lift.data_ptr<float>();
+  const at::Tensor cand = candidates.to(at::kLong).contiguous();
+  const at::Tensor verts = vertices.contiguous();
+  const int64_t m = verts.size(0), c = cand.size(1), n = x.size(0);
+  const int64_t list_size = kPruneListFactor * degree;
+  const int64_t min_degree = std::min(kMinOutDegree, degree);
+  at::Tensor out = at::full({m, degree}, -1, vertices.options().dtype(at::kInt));
+  const int64_t* vp = verts.data_ptr<int64_t>();
+  const int64_t* cp = cand.data_ptr<int64_t>();
+  int32_t* op = out.data_ptr<int32_t>();
+
+  parallel_dynamic(m, 16, [&](int64_t r) {
+    const int64_t v = vp[r];
+    // 1-2: the distinct candidates by (distance, id), the nearest list_size of them; of two
+    // copies of an id the fixed one (free = 0) sorts first and stays.
+    struct Candidate {
+      float dist;
+      int64_t id;
+      int free;
+      bool operator<(const Candidate& o) const {
+        return dist < o.dist || (dist == o.dist && (id < o.id || (id == o.id && free < o.free)));
+      }
+    };
+    std::vector<Candidate> list;
+    list.reserve(c);
+    for (int64_t j = 0; j < c; ++j) {
+      const int64_t u = cp[r * c + j];
+      if (u >= 0 && u < n && u != v) list.push_back({vectors(v, u), u, j < fixed ? 0 : 1});
+    }
+    std::sort(list.begin(), list.end());
+    list.erase(std::unique(list.begin(), list.end(),
+                           [](const Candidate& a, const Candidate& b) { return a.id == b.id; }),
+               list.end());
+    if (static_cast<int64_t>(list.size()) > list_size) list.resize(list_size);
+    // 3: the rule, then the fill from what it dropped.
+    std::vector<char> kept(list.size(), 0);
+    int64_t count = 0;
+    for (size_t j = 0; j < list.size() && count < degree; ++j) {
+      bool keep = true;
+      for (size_t w = 0; w < j && keep && rule && list[j].free; ++w) {
+        keep = !(kept[w] && vectors(list[w].id, list[j].id) < list[j].dist);
+      }
+      kept[j] = keep;
+      count += keep;
+    }
+    for (size_t j = 0; j < list.size() && count < min_degree; ++j) {
+      if (!kept[j]) {
+        kept[j] = 1;
+        ++count;
+      }
+    }
+    // 4: kept entries in list order.
+    int32_t* row = op + r * degree;
+    int64_t at = 0;
+    for (size_t j = 0; j < list.size() && at < degree; ++j) {
+      if (kept[j]) row[at++] = static_cast<int32_t>(list[j].id);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(grnnd, CPU, m) { m.impl("prune_rows", &prune_rows_cpu); }
+
+}  // namespace cpu
+}  // namespace grnnd

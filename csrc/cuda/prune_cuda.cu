@@ -1,0 +1,229 @@
+// prune_rows on the GPU: the twin of csrc/cpu/prune_cpu.cpp, the recipe of csrc/prune.h with one
+// warp (a block of 32 threads) per row. The row's candidates and their distances to the vertex
+// sit in shared memory, where a bitonic network sorts them by (distance, key) (sort_cuda.cuh);
+// a key is 2 x id, plus 1 unless the candidate is fixed, so repeats are adjacent, the fixed copy
+// first, and they are dropped in the same pass that cuts the list. The rule's
+// distances are computed by teams of lanes (vectors_cuda.cuh), several kept entries at once, as
+// the build's update does.
+#include <limits>
+
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "../min_degree.h"
+#include "../prune.h"
+#include "sort_cuda.cuh"
+#include "vectors_cuda.cuh"
+#include "warp_cuda.cuh"
+
+namespace grnnd {
+namespace cuda {
+namespace {
+
+struct PruneArgs {
+  const int64_t* vertices;    // [m]
+  const int64_t* candidates;  // [m, width]
+  int64_t width;
+  int64_t n;
+  int dim;
+  Metric metric;
+  const float* lift;  // inner product only (prune.h), else null
+  int degree;
+  int list_size;   // kPruneListFactor x degree
+  int min_degree;  // min(kMinOutDegree, degree)
+  bool rule;
+  int64_t fixed;  // leading columns of `candidates` kept whatever the rule says
+  int sort_size;  // keys sorted per row: a power of two >= max(width, 32)
+  int32_t* out;   // [m, degree]
+};
+
+// Shared memory of a row: sort keys (distance, id), then the kept list positions, then a flag per
+// list position.
+size_t prune_scratch_bytes(const PruneArgs& a) {
+  return static_cast<size_t>(a.sort_size) * (sizeof(float) + sizeof(uint32_t)) +
+         static_cast<size_t>(a.degree + a.list_size) * sizeof(int);
+}
+
+// The build's distance between rows u and w (prune.h), by the lanes of the calling team.
+template <int TEAM, typename T>
+__device__ __forceinline__ float prune_distance(const T* __restrict__ x, const PruneArgs& a, int64_t u, int64_t w,
+                                                bool valid, int rank) {
+  float d = team_distance<TEAM>(x + u * a.dim, x + w * a.dim, valid ? a.dim : 0, a.metric, rank);
+  if (a.lift != nullptr && valid) {
+    const float t = a.lift[u] - a.lift[w];
+    d += t * t;
+  }
+  return d;
+}
+
+template <typename T, int TEAM>
+__global__ void __launch_bounds__(kWarpSize) prune_kernel(const T* __restrict__ x, PruneArgs a) {
+  constexpr int kTeams = kWarpSize / TEAM;
+  const int64_t r = blockIdx.x;
+  const int lane = threadIdx.x, team = lane / TEAM, rank = lane % TEAM;
+  extern __shared__ uint32_t scratch[];
+  float* dist = reinterpret_cast<float*>(scratch);
+  uint32_t* id = scratch + a.sort_size;
+  int* kept = reinterpret_cast<int*>(id + a.sort_size);
+  int* flag = kept + a.degree;
+  int32_t* row = a.out + r * a.degree;
+  const int64_t v = a.vertices[r];
+  if (v < 0 || v >= a.n) {  // checked on the host unless the stream is being captured
+    for (int j = lane; j < a.degree; j += kWarpSize) row[j] = -1;
+    return;
+  }
+
+  // 1. Candidates and their distances to v; everything else sorts last as (inf, kEmptyId).
+  const int64_t* cand = a.candidates + r * a.width;
+  for (int j = lane; j < a.sort_size; j += kWarpSize) {
+    uint32_t key = kEmptyId;  // odd, and above every real key (n < 2^30 - 1)
+    if (j < a.width) {
+      const int64_t w = cand[j];
+      if (w >= 0 && w < a.n && w != v) key = static_cast<uint32_t>(2 * w + (j < a.fixed ? 0 : 1));
+    }
+    id[j] = key;
+    dist[j] = std::numeric_limits<float>::infinity();
+  }
+  for (int j = lane; j < a.list_size; j += kWarpSize) flag[j] = 0;
+  __syncwarp();
+  for (int g0 = 0; g0 < a.width; g0 += kTeams) {
+    const int g = g0 + team;
+    const bool valid = g < a.width && id[g] != kEmptyId;
+    const float d = prune_distance<TEAM>(x, a, v, valid ? id[g] >> 1 : v, valid, rank);
+    if (valid && rank == 0) dist[g] = d;
+  }
+  __syncthreads();
+  bitonic<false>(dist, id, a.sort_size);
+
+  // 2. Repeats are adjacent now: keep the first of each (the fixed one where there is one), up
+  // to list_size, compacted in place.
+  // A chunk's entries are all read before any of its writes, and writes land at or below the
+  // entry read, so no entry is overwritten before it is read.
+  int count = 0;
+  uint32_t before = 0xffffffffu;  // the key ahead of the chunk, as it was before compaction
+  for (int base = 0; base < a.sort_size && count < a.list_size; base += kWarpSize) {
+    const uint32_t u = id[base + lane];
+    const float d = dist[base + lane];
+    uint32_t previous = __shfl_up_sync(kFullMask, u, 1);
+    if (lane == 0) previous = before;
+    before = __shfl_sync(kFullMask, u, kWarpSize - 1);
+    const bool fresh = u != kEmptyId && (u >> 1) != (previous >> 1);
+    const unsigned mask = __ballot_sync(kFullMask, fresh);
+    const int at = count + __popc(mask & lanes_below(lane));
+    __syncwarp();
+    if (fresh && at < a.list_size) {
+      id[at] = u;
+      dist[at] = d;
+    }
+    count += __popc(mask);
+    __syncwarp();
+  }
+  count = min(count, a.list_size);
+
+  // 3. The rule in list order, then the fill from the entries it dropped.
+  int kept_count = 0;
+  for (int j = 0; j < count && kept_count < a.degree; ++j) {
+    const uint32_t u = id[j] >> 1;
+    const bool free = (id[j] & 1u) != 0;
+    const float d_vu = dist[j];
+    bool keep = true;
+    for (int g0 = 0; a.rule && free && keep && g0 < kept_count; g0 += kTeams) {
+      const int g = g0 + team;
+      const bool valid = g < kept_count;
+      const float d_wu = prune_distance<TEAM>(x, a, u, valid ? id[kept[g]] >> 1 : u, valid, rank);
+      keep = !__any_sync(kFullMask, valid && rank == 0 && d_wu < d_vu);
+    }
+    if (keep) {
+      if (lane == 0) {
+        kept[kept_count] = j;
+        flag[j] = 1;
+      }
+      ++kept_count;
+      __syncwarp();
+    }
+  }
+  if (lane == 0) {
+    for (int j = 0; j < count && kept_count < a.min_degree; ++j) {
+      if (!flag[j]) {
+        flag[j] = 1;
+        ++kept_count;
+      }
+    }
+  }
+  __syncwarp();
+
+  // 4. Kept entries in list order, -1 padded.
+  int written = 0;
+  for (int base = 0; base < count; base += kWarpSize) {
+    const int j = base + lane;
+    const bool take = j < count && flag[j];
+    const unsigned mask = __ballot_sync(kFullMask, take);
+    if (take) row[written + __popc(mask & lanes_below(lane))] = static_cast<int32_t>(id[j] >> 1);
+    written += __popc(mask);
+  }
+  for (int j = written + lane; j < a.degree; j += kWarpSize) row[j] = -1;
+}
+
+template <typename T, int TEAM>
+void launch(const at::Tensor& x, const PruneArgs& a, int64_t m, cudaStream_t stream) {
+  prune_kernel<T, TEAM><<<static_cast<unsigned>(m), kWarpSize, prune_scratch_bytes(a), stream>>>(
+      x.data_ptr<T>(), a);
+  check_launch();
+}
+
+at::Tensor prune_rows_cuda(const at::Tensor& data, const at::Tensor& vertices, const at::Tensor& candidates,
+                           int64_t degree, c10::string_view metric_name, bool rule, int64_t fixed) {
+  check_prune_inputs(data, vertices, candidates, degree);
+  const c10::cuda::CUDAGuard guard(data.device());
+  const Metric metric = parse_metric(std::string(metric_name));
+  const at::Tensor x = prepare_vectors(data, metric);
+  const at::Tensor lift = inner_product_lift(x, metric);
+  const at::Tensor cand = candidates.to(at::kLong).contiguous();
+  const at::Tensor verts = vertices.contiguous();
+  const int64_t m = verts.size(0);
+  at::Tensor out = at::empty({m, degree}, vertices.options().dtype(at::kInt));
+  if (m == 0) return out;
+  const PruneArgs a{verts.data_ptr<int64_t>(),
+                    cand.data_ptr<int64_t>(),
+                    cand.size(1),
+                    x.size(0),
+                    static_cast<int>(x.size(1)),
+                    lift.defined() ? Metric::kL2 : metric,
+                    lift.defined() ? lift.data_ptr<float>() : nullptr,
+                    static_cast<int>(degree),
+                    static_cast<int>(kPruneListFactor * degree),
+                    static_cast<int>(std::min(kMinOutDegree, degree)),
+                    rule,
+                    fixed,
+                    next_pow2(static_cast<int>(std::max<int64_t>(cand.size(1), kWarpSize))),
+                    out.data_ptr<int32_t>()};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index());
+  GRNND_DISPATCH_STORAGE(x.scalar_type(), "grnnd_prune_rows_cuda", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "prune_rows: float64 storage reached the CUDA kernel (prepare_vectors narrows it)");
+    } else {
+      switch (team_for_row(x.size(1) * x.element_size())) {
+        case 4:
+          launch<scalar_t, 4>(x, a, m, stream);
+          break;
+        case 8:
+          launch<scalar_t, 8>(x, a, m, stream);
+          break;
+        case 16:
+          launch<scalar_t, 16>(x, a, m, stream);
+          break;
+        default:
+          launch<scalar_t, 32>(x, a, m, stream);
+          break;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(grnnd, CUDA, m) { m.impl("prune_rows", &prune_rows_cuda); }
+
+}  // namespace cuda
+}  // namespace grnnd

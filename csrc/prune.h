@@ -1,0 +1,44 @@
+// The build's relative-neighbourhood rule applied to chosen rows of a graph: what editing a built
+// index needs (new rows and their reverse edges in Index.add, the rows a removal cut off in
+// Index.compact, the rows two graphs exchange in a merge). One recipe for both devices; the CPU
+// kernel (csrc/cpu/prune_cpu.cpp) and the CUDA kernel (csrc/cuda/prune_cuda.cu) follow it step
+// for step:
+//
+//   1. Candidates of vertex v: its entries of `candidates` in [0, n), other than v; a repeat
+//      counts once. Those in the first `fixed` columns are fixed: kept whatever the rule says
+//      (a row's own entries that stay, when only its vacated places are to be filled).
+//   2. They are ranked by (d(v, u), u) and only the nearest kPruneListFactor x degree are looked
+//      at (DiskANN's list L): a farther one is almost always blocked by a kept nearer one, and
+//      the rule's cost grows as the square of the list.
+//   3. The rule (seed 000, eq. 2, as the build's update applies it): walking the list in that
+//      order, u is kept if fixed, or unless a kept w is closer to u than v is
+//      (d(w, u) < d(v, u)); at most
+//      `degree` are kept. A row left with fewer than min(kMinOutDegree, degree) entries takes
+//      the nearest of the ones the rule dropped, as the build's fill does (min_degree.h).
+//      Without the rule, the nearest `degree` are kept.
+//   4. The row: kept entries in list order (ascending distance), -1 padded to `degree`.
+//
+// Distances are the build's: the metric's on the prepared rows (cosine normalised), inner
+// product as squared l2 in the lifted space (params.h, lifts_inner_product), the lift taken
+// over all rows of `data`.
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/ATen.h>
+
+#include "params.h"
+
+namespace grnnd {
+
+constexpr int64_t kPruneListFactor = 2;
+// Candidates a row may offer (columns of `candidates`): the CUDA kernel sorts a row's candidates
+// in shared memory, 8 bytes each, rounded up to a power of two.
+constexpr int64_t kMaxPruneCandidates = 2048;
+
+// The extra coordinate of each prepared row x that turns inner product into squared l2
+// (params.h, lifts_inner_product): sqrt(max |x|^2 - |x_i|^2), float32 [n]; undefined for the
+// other metrics. The builds and prune_rows take it from the same rows, so they agree.
+at::Tensor inner_product_lift(const at::Tensor& x, Metric metric);
+
+}  // namespace grnnd

@@ -1,0 +1,100 @@
+"""grnnd.merge and the build's start from given entries (init), which the merge is made of.
+
+faiss-cpu is the oracle: a merge of two halves must search as well as a fresh build of the
+whole set, both against exact neighbours.
+"""
+import pytest
+import torch
+
+import torch_grnnd as grnnd
+from conftest import clustered, exact_neighbours, one_thread
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+@pytest.fixture(scope="module")
+def halves():
+    x = clustered(20_400, 32, 40, seed=41)
+    data, queries = x[:20_000].contiguous(), x[20_000:].contiguous()
+    return data, queries, exact_neighbours(data, queries, 10)[1]
+
+
+def recall(index, queries, truth):
+    found = index.search(queries, 10, list_size=32)[1]
+    return torch.isin(found, truth).float().sum().item() / truth.numel()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_of_two_halves_searches_like_a_fresh_build(halves, device):
+    data, queries, truth = (t.to(device) for t in halves)
+    ids = torch.randperm(20_000, generator=torch.Generator().manual_seed(3)).to(device) + 10**9
+    with one_thread():
+        a = grnnd.Index.build(data[:10_000], ids=ids[:10_000])
+        b = grnnd.Index.build(data[10_000:], ids=ids[10_000:])
+        merged = grnnd.merge(a, b)
+        fresh = grnnd.Index.build(data, ids=ids)
+    assert torch.equal(merged.data, data) and torch.equal(merged.ids, ids) and len(merged) == 20_000
+    got, want = recall(merged, queries, ids[truth]), recall(fresh, queries, ids[truth])
+    assert got >= want - 0.005, (got, want)
+    # Edges cross between the halves, and the graph keeps the build's guarantees.
+    graph = merged.graph.long()
+    cross = ((graph >= 10_000) & (torch.arange(20_000, device=device)[:, None] < 10_000)).sum()
+    assert cross > 10_000
+    assert grnnd.diagnostics.degree_summary(merged.graph)["min"] >= 8
+    assert grnnd.diagnostics.reachable(merged.graph, torch.tensor([0], device=device)).all()
+
+
+def test_merge_keeps_tombstones_and_refuses_mismatches(halves):
+    data = halves[0][:4000]
+    a, b = grnnd.Index.build(data[:2000]), grnnd.Index.build(data[2000:])
+    b.remove(torch.tensor([5, 6]))
+    merged = grnnd.merge(a, b)
+    assert len(merged) == 3998 and merged.removed.nonzero().flatten().tolist() == [2005, 2006]
+    assert not torch.isin(merged.search(data[2000:2100], 5)[1], torch.tensor([2005, 2006])).any()
+    with_ids = grnnd.Index.build(data[:2000], ids=torch.arange(2000))
+    for left, right, match in [
+        (a, grnnd.Index.build(data[2000:], metric="cosine"), "different metrics"),
+        (a, grnnd.Index.build(data[2000:, :16].contiguous()), "one width, dtype and device"),
+        (a, grnnd.Index.build(data[2000:].double()), "one width, dtype and device"),
+        (a, with_ids, "one index has user ids"),
+        (with_ids, grnnd.Index.build(data[2000:], ids=torch.arange(1990, 3990)), r"ids in both indexes: \[1990"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            grnnd.merge(left, right)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_build_started_from_its_own_graph_keeps_it(halves, device):
+    data, queries = halves[0][:5000], halves[1]
+    truth = exact_neighbours(data, queries, 10)[1].to(device)
+    data, queries = data.to(device), queries.to(device)
+    graph = grnnd.build(data)
+    again = grnnd.build(data, init=graph)
+    # Started from a converged graph, the build keeps its quality (and most of its edges).
+    before, after = (recall(grnnd.Index(data, g), queries, truth) for g in (graph, again))
+    assert after >= before - 0.005, (after, before)
+    kept = torch.isin(again.long() + 5000 * torch.arange(5000, device=device)[:, None],
+                      graph.long() + 5000 * torch.arange(5000, device=device)[:, None]).float().mean().item()
+    assert kept > 0.8, kept
+    for bad, error, match in [(graph.long(), TypeError, "init: expected int32"),
+                              (graph[:10], ValueError, r"init: expected shape \[5000, c\]")]:
+        with pytest.raises(error, match=match):
+            grnnd.build(data, init=bad)
+    # Entries outside the data, -1 and the row itself are ignored, not read.
+    junk = torch.randint(-5, 6000, (5000, 32), dtype=torch.int32, device=device)
+    assert grnnd.build(data, init=junk).shape == (5000, 32)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pools_start_as_on_the_cpu(halves):
+    # One round without reverse edges from the same start: CPU and CUDA pools hold the same
+    # entries slot for slot, so the graphs match but for concurrent-insert order and rounding.
+    data = halves[0][:3000]
+    init = grnnd.build(data, degree=16)
+    settings = dict(outer_iters=1, inner_iters=1, reverse_ratio=0.0, delta=0.0)
+    with one_thread():
+        cpu = grnnd.build(data, init=init, **settings)
+    gpu = grnnd.build(data.cuda(), init=init.cuda(), **settings).cpu()
+    assert (cpu == gpu).all(1).float().mean() >= 0.9

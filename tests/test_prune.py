@@ -1,0 +1,119 @@
+"""torch.ops.grnnd.prune_rows: the build's rule applied to chosen rows (csrc/prune.h), which
+Index.add and Index.compact are made of.
+
+The oracle is the recipe written out here in plain torch, one row at a time. Integer-valued
+vectors make every distance exact in float32, whatever order a kernel sums in, so CPU, CUDA and
+the oracle must agree entry for entry, ties (broken by id) included.
+"""
+import pytest
+import torch
+
+import torch_grnnd as grnnd  # noqa: F401  (registers the ops)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+MIN_OUT_DEGREE = 8
+
+
+def reference_row(x, v, candidates, degree, rule, fixed=0):
+    """The recipe of csrc/prune.h for one vertex, in squared l2 on float64 rows."""
+    x = x.double()
+    valid = [(j, int(u)) for j, u in enumerate(candidates) if 0 <= int(u) < x.shape[0] and int(u) != v]
+    pinned = {u for j, u in valid if j < fixed}
+    ranked = sorted((float((x[u] - x[v]).pow(2).sum()), u) for u in {u for _, u in valid})[:2 * degree]
+    kept = []
+    for d_vu, u in ranked:
+        if len(kept) == degree:
+            break
+        if u in pinned or not rule or all(float((x[w] - x[u]).pow(2).sum()) >= d_vu for _, w in kept):
+            kept.append((d_vu, u))
+    for entry in ranked:
+        if len(kept) >= min(MIN_OUT_DEGREE, degree):
+            break
+        if entry not in kept:
+            kept.append(entry)
+    row = [u for _, u in sorted(kept)]
+    return row + [-1] * (degree - len(row))
+
+
+def integer_rows(n, dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, (n, dim), generator=g).float()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("degree,width", [(16, 40), (32, 81), (8, 300), (4, 12)])
+def test_rows_follow_the_recipe_exactly(device, degree, width):
+    x = integer_rows(400, 12, seed=degree)
+    g = torch.Generator().manual_seed(width)
+    vertices = torch.randint(0, 400, (60,), generator=g)
+    candidates = torch.randint(-2, 420, (60, width), generator=g)  # repeats, -1s, ids >= n, self
+    candidates[:, 0] = vertices
+    for rule, fixed in ((True, 0), (False, 0), (True, degree // 2)):
+        got = torch.ops.grnnd.prune_rows(x.to(device), vertices.to(device), candidates.to(device), degree, rule=rule,
+                                         fixed=fixed)
+        assert got.dtype == torch.int32 and got.shape == (60, degree)
+        want = [reference_row(x, int(v), c, degree, rule, fixed) for v, c in zip(vertices, candidates)]
+        assert got.cpu().tolist() == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_storage_types_give_the_same_rows(device, dtype):
+    # Small integers are exact in every storage type.
+    x = integer_rows(300, 16, seed=3)
+    g = torch.Generator().manual_seed(4)
+    vertices = torch.arange(300)
+    candidates = torch.randint(0, 300, (300, 64), generator=g)
+    want = torch.ops.grnnd.prune_rows(x, vertices, candidates, 24)
+    got = torch.ops.grnnd.prune_rows(x.to(device, dtype), vertices.to(device), candidates.int().to(device), 24)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("metric", ["l2", "cosine", "ip"])
+def test_cuda_matches_the_cpu(metric):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5000, 48, generator=g)
+    vertices = torch.randint(0, 5000, (2000,), generator=g)
+    candidates = torch.randint(-1, 5000, (2000, 1100), generator=g)
+    want = torch.ops.grnnd.prune_rows(x, vertices, candidates, 32, metric=metric)
+    got = torch.ops.grnnd.prune_rows(x.cuda(), vertices.cuda(), candidates.cuda(), 32, metric=metric).cpu()
+    # Sums in another order may flip a near tie of the rule; rows must agree all but rarely.
+    assert (got == want).all(1).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_metrics_rank_as_the_build_does(device):
+    # Cosine ranks as l2 on the normalised rows; inner product as l2 on the lifted rows.
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(500, 8, generator=g).to(device)
+    vertices = torch.arange(500, device=device)
+    candidates = torch.randint(0, 500, (500, 40), generator=g).to(device)
+    unit = torch.nn.functional.normalize(x, dim=1)
+    sq = x.pow(2).sum(1)
+    lifted = torch.cat([x, (sq.max() - sq).clamp_min(0).sqrt()[:, None]], dim=1)
+    for metric, space in (("cosine", unit), ("ip", lifted)):
+        got = torch.ops.grnnd.prune_rows(x, vertices, candidates, 16, metric=metric)
+        want = torch.ops.grnnd.prune_rows(space, vertices, candidates, 16)
+        assert (got == want).all(1).float().mean() >= 0.99, metric
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_is_refused(device):
+    x = torch.randn(50, 4, device=device)
+    v = torch.arange(3, device=device)
+    c = torch.zeros(3, 5, dtype=torch.long, device=device)
+    prune = torch.ops.grnnd.prune_rows
+    for args, error, match in [
+        ((x, v.int(), c, 4), TypeError, "vertices: expected int64"),
+        ((x, v, c.float(), 4), TypeError, "candidates: expected int32 or int64"),
+        ((x, v, c[:2], 4), ValueError, r"candidates: expected shape \[3, c\]"),
+        ((x, v, c, 0), ValueError, "degree: expected 1 .. 256"),
+        ((x, v + 48, c, 4), ValueError, r"vertices: expected ids in \[0, 50\), found 50"),
+        ((x, v, torch.zeros(3, 2049, dtype=torch.long, device=device), 4), ValueError, "at most 2048"),
+    ]:
+        with pytest.raises(error, match=match):
+            prune(*args)
+    assert prune(x, v[:0], c[:0], 4).shape == (0, 4)

@@ -1,0 +1,30 @@
+"""Two built graphs into one (seed 003's GGM, adapted to the relative-neighbourhood rule).
+
+The graph of the union starts from both graphs: each row keeps its own entries as already
+compared ("old"), and its S draws from the cells of the union's hubs bring in rows of the other
+part as new ones. The rounds compare only pairs with a new entry, so the work goes to the pairs
+that cross between the parts, and they stop when a round changes little, as a fresh build does.
+"""
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .params import BuildParams
+from .progress import Progress
+
+
+def merge_graphs(data_a: Tensor, graph_a: Tensor, data_b: Tensor, graph_b: Tensor, params: BuildParams,
+                 metric: ops.Metric, progress: Progress = False) -> Tuple[Tensor, Tensor]:
+    """``(data, graph)`` over the rows of a then b: ``graph`` int32 [Na + Nb, params.degree]."""
+    n_a = data_a.shape[0]
+    width = max(graph_a.shape[1], graph_b.shape[1])
+
+    def widened(graph: Tensor, offset: int) -> Tensor:
+        graph = torch.where(graph >= 0, graph + offset, graph)
+        return torch.nn.functional.pad(graph, (0, width - graph.shape[1]), value=-1)
+
+    data = torch.cat([data_a, data_b])
+    init = torch.cat([widened(graph_a, 0), widened(graph_b, n_a)])
+    return data, ops.build(data, params, metric=metric, progress=progress, init=init)
