@@ -31,6 +31,9 @@ from torch_grnnd.pyg import knn_graph  # noqa: E402
 WORKLOADS = [  # clouds, points per cloud, dim, k
     (32, 1024, 3, 20),
     (32, 1024, 64, 20),
+    (256, 128, 3, 16),  # these three: where the grid starts to beat the scan
+    (128, 256, 3, 16),
+    (64, 512, 3, 16),
     (8, 16384, 3, 16),
     (1, 1_000_000, 3, 16),
 ]
@@ -119,6 +122,13 @@ def main():
         row = {"clouds": clouds, "points": n, "dim": dim, "k": k}
         repeat = 10 if clouds * n * n <= TORCH_MAX_SCORES else 3
         row["exact_ms"] = median_ms(lambda: knn_graph(x, k, batch, batch_size=clouds), repeat)
+        # The op's two exact paths (what "auto" chooses between), queries = points.
+        ptr = torch.arange(clouds + 1, device="cuda") * n
+        for method in ("scan", "grid"):
+            if method == "grid" and (dim > 3 or k > 32):
+                continue
+            row[f"{method}_op_ms"] = median_ms(
+                lambda: torch.ops.grnnd.knn_segments(x, x, ptr, batch, k + 1, method=method), repeat)
         exact = knn_graph(x, k, batch, batch_size=clouds)
         if clouds * n * n <= TORCH_MAX_SCORES:
             row["torch_ms"] = median_ms(lambda: torch_knn_graph(x, clouds, k))
@@ -141,15 +151,16 @@ def main():
     lines = [f"# k-NN graphs of batched point clouds, {torch.cuda.get_device_name()}", "",
              "Median of 10 calls (3 for approximate), CUDA events; `python benchmarks/bench_pyg.py`.", "",
              "| clouds x points, d, k | torch cdist + topk ms | grnnd exact ms | speed-up | exact = torch edges "
-             "| grnnd approximate ms (recall) | torch_cluster ms |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| grnnd approximate ms (recall) | torch_cluster ms | op: scan ms | op: grid ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     nan = float("nan")
     for r in rows:
         lines.append(f"| {r['clouds']} x {r['points']}, {r['dim']}, {r['k']} | {r.get('torch_ms', nan):.3f} | "
                      f"{r['exact_ms']:.3f} | {r.get('speedup_exact_vs_torch', nan):.1f}x | "
                      f"{r.get('exact_vs_torch_overlap', nan):.4f} | "
                      f"{r['approximate_ms']:.1f} ({r['approximate_recall']:.3f}) | "
-                     f"{r.get('torch_cluster_ms', nan):.3f} |")
+                     f"{r.get('torch_cluster_ms', nan):.3f} | {r.get('scan_op_ms', nan):.3f} | "
+                     f"{r.get('grid_op_ms', nan):.3f} |")
     if dgcnn:
         lines += ["", f"DGCNN forward pass ({DGCNN_CLOUDS} clouds x {DGCNN_POINTS} points, three EdgeConv layers, "
                       f"k = {DGCNN_K}, graph rebuilt per layer), median of 10, ms:", "",

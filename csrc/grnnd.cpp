@@ -49,8 +49,12 @@ TORCH_LIBRARY(grnnd, m) {
   m.def("knn(Tensor data, Tensor queries, int k, *, str metric=\"l2\") -> (Tensor, Tensor)");
   // Exact k nearest neighbours of each row of y among the rows of its own example of x (examples
   // back to back: example b of x is rows ptr_x[b] .. ptr_x[b + 1], row i of y is in example
-  // batch_y[i]); squared l2, -1 / +inf padded where an example has fewer than k rows.
-  m.def("knn_segments(Tensor x, Tensor y, Tensor ptr_x, Tensor batch_y, int k) -> (Tensor, Tensor)");
+  // batch_y[i]); squared l2, -1 / +inf padded where an example has fewer than k rows. method:
+  // "scan" visits every row of the example, "grid" the cells around the query (grid.h), "auto"
+  // takes the grid where measured faster; all return the same.
+  m.def(
+      "knn_segments(Tensor x, Tensor y, Tensor ptr_x, Tensor batch_y, int k, str method=\"auto\") "
+      "-> (Tensor, Tensor)");
   // The build's relative-neighbourhood rule applied to chosen rows (csrc/prune.h): for each
   // vertices[i], a row of at most `degree` of its candidates[i] (-1 padded, any values; those
   // outside [0, n) are ignored), as editing an index needs; the first `fixed` columns are kept

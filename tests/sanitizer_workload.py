@@ -82,8 +82,11 @@ def segments(g: torch.Generator):
         x = torch.randn(int(sizes.sum()), dim, generator=g, device="cuda")
         y = torch.randn(batch_y.numel(), dim, generator=g, device="cuda")
         for k in (1, 16, 20, 40):
-            torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y.sort().values, k)
-            torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y, k)
+            torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y.sort().values, k, method="scan")
+            torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y, k, method="scan")
+            if k <= 32:  # the grid path (csrc/grid.h), every register list size
+                torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y, k, method="grid")
+                torch.ops.grnnd.knn_segments(x, y * 40, ptr_x, batch_y, k + 7, method="grid")
     # Many small examples in one launch: 4 000 of 1 to 39 rows.
     many = torch.randint(1, 40, (4000,), generator=g, device="cuda")
     ptr_x = torch.cat([torch.zeros(1, dtype=torch.long, device="cuda"), many.cumsum(0)])
@@ -91,6 +94,10 @@ def segments(g: torch.Generator):
     x = torch.randn(batch.numel(), 3, generator=g, device="cuda")
     for k in (16, 40):
         torch.ops.grnnd.knn_segments(x, x, ptr_x, batch, k)
+    flat = torch.randn(50_000, 3, generator=g, device="cuda")
+    flat[:, 2] = 0.5  # a plane: one cell along z
+    ends = torch.tensor([0, 20_000, 50_000], device="cuda")
+    torch.ops.grnnd.knn_segments(flat, flat, ends, (torch.arange(50_000, device="cuda") >= 20_000).long(), 16)
 
 
 def editing(g: torch.Generator):

@@ -6,7 +6,11 @@ same arguments in the same order with the same defaults, and the same edges. Exa
 batched as PyG batches them (a sorted ``batch`` vector); every example of a batch is searched in
 one call of ``torch.ops.grnnd.knn_segments`` (one kernel launch on a GPU), exactly, each query
 among the rows of its own example only. Passing ``batch_size`` (the number of examples) spares
-the host synchronisation that reading it from ``batch`` costs.
+the host synchronisation that reading it from ``batch`` costs. Points of up to three coordinates
+in examples of a few hundred points or more are found through a uniform grid (the cells around
+each query, ring after ring, until no unvisited cell can hold a nearer point; ``csrc/grid.h``):
+the same neighbours as the scan of every row, at one more host synchronisation (the bounding
+box).
 
 Semantics, as torch_cluster's:
   - ``knn(x, y, k)`` returns ``[2, E]`` with row 0 the index into ``y`` and row 1 the index into

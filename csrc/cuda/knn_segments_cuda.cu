@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include "../checks.h"
+#include "../grid.h"
 #include "vectors_cuda.cuh"
 
 namespace grnnd {
@@ -245,7 +246,8 @@ void launch_for_k(const SegmentArgs& args, cudaStream_t stream) {
 }
 
 std::tuple<at::Tensor, at::Tensor> knn_segments_cuda(const at::Tensor& x, const at::Tensor& y,
-                                                     const at::Tensor& ptr_x, const at::Tensor& batch_y, int64_t k) {
+                                                     const at::Tensor& ptr_x, const at::Tensor& batch_y, int64_t k,
+                                                     c10::string_view method) {
   check_knn_segments_inputs(x, y, ptr_x, batch_y, k);
   TORCH_CHECK_VALUE(k < std::numeric_limits<int>::max(), "k: expected fewer than 2^31 - 1, got ", k);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -255,6 +257,11 @@ std::tuple<at::Tensor, at::Tensor> knn_segments_cuda(const at::Tensor& x, const 
   at::Tensor out_d = at::full({ys.size(0), k}, std::numeric_limits<float>::infinity(), ys.options());
   at::Tensor out_i = at::full({ys.size(0), k}, -1, ys.options().dtype(at::kLong));
   if (ys.size(0) == 0 || xs.size(0) == 0) return {out_d, out_i};
+  if (use_grid(std::string(method), xs, ptr, k)) {
+    const Grid grid = make_grid(xs, ptr);
+    if (grid.valid) return knn_grid_cuda(grid, ys, batch, ptr.size(0) - 1, k);
+    TORCH_CHECK_VALUE(method != "grid", "knn_segments: method=\"grid\" needs ascending ptr_x");
+  }
 
   SegmentArgs args;
   args.x = xs.data_ptr<float>();
