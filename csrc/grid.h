@@ -10,7 +10,7 @@
 // The CPU (csrc/cpu/knn_grid_cpu.cpp) and CUDA (csrc/cuda/knn_grid_cuda.cu) kernels return
 // what knn_segments' scan of every row returns, bit for bit: the same distance arithmetic, and
 // the best k kept ordered by (distance, row) so that ties go to the lower row in any visiting
-// order. knn_segments takes this path where measured to win (kGridMinRowsPerExample).
+// order. knn_segments takes this path where measured to win (use_grid in grid.cpp).
 #pragma once
 
 #include <cmath>
@@ -25,9 +25,8 @@ namespace grnnd {
 
 // Rows of x per cell the grid is sized for (on average over the data's bounding box).
 constexpr int64_t kGridRowsPerCell = 4;
-// knn_segments' "auto" takes the grid where examples average at least this many rows of at
-// most kGridMaxDim coordinates and k <= kGridMaxK.
-constexpr int64_t kGridMinRowsPerExample = 256;
+// The grid takes points of at most kGridMaxDim coordinates and k <= kGridMaxK; knn_segments'
+// "auto" takes it where it is expected to be faster (use_grid).
 constexpr int64_t kGridMaxDim = 3;
 constexpr int64_t kGridMaxK = 32;
 
@@ -126,8 +125,8 @@ std::tuple<at::Tensor, at::Tensor> knn_grid_cuda(const Grid& grid, const at::Ten
                                                  int64_t examples, int64_t k);
 }  // namespace cuda
 
-// knn_segments' choice: whether the grid is the faster exact path for these inputs
-// ("auto"), or the one asked for ("grid" or "scan"; anything else raises).
+// knn_segments' choice: whether the grid is the faster exact path for these inputs ("auto",
+// from costs measured per device), or the one asked for ("grid" or "scan"; anything else raises).
 bool use_grid(const std::string& method, const at::Tensor& x, const at::Tensor& ptr_x, int64_t k);
 
 }  // namespace grnnd
