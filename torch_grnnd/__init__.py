@@ -27,13 +27,13 @@ def _check_torch_release() -> None:
 
 _check_torch_release()
 from . import autograd  # noqa: F401  (registers the backward of search, knn and knn_graph)
-from . import diagnostics, nn
+from . import diagnostics, distributed, nn
 from .eval import recall
 from .graph import knn_graph
 from .index import Index, merge
 from .ops import build, knn, search, search_distance_counts
 from .params import BuildParams, SearchParams
 
-__all__ = ["Index", "merge", "BuildParams", "SearchParams", "build", "search", "search_distance_counts", "knn", "knn_graph", "recall", "nn",
+__all__ = ["Index", "merge", "BuildParams", "SearchParams", "build", "search", "search_distance_counts", "knn", "knn_graph", "recall", "nn", "distributed",
            "diagnostics"]
 __version__ = "0.1.0"

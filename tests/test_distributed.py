@@ -1,0 +1,121 @@
+"""torch_grnnd.distributed on CPU processes joined by gloo (2 and 3 ranks, spawned here), against
+one process holding all the data: exact ops give the same neighbours, the sharded index the
+same recall within 0.01; mismatched ranks raise on every rank instead of hanging.
+
+With a GPU, two gloo ranks share it (the CUDA path of the same code).
+"""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torch_grnnd as grnnd
+from conftest import clustered, exact_neighbours
+
+N, DIM, QUERIES = 6000, 16, 300
+
+
+def dataset():
+    x = clustered(N + QUERIES, DIM, 30, seed=51)
+    return x[:N].contiguous(), x[N:].contiguous()
+
+
+def shard_bounds(world: int):
+    # Uneven shards: rank r holds a share that grows with r.
+    weights = torch.arange(1, world + 1, dtype=torch.float64)
+    cuts = (weights.cumsum(0) / weights.sum() * N).round().long().tolist()
+    return [0] + cuts
+
+
+def worker(rank: int, world: int, init: str, out: str, device: str):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    data, queries = dataset()
+    bounds = shard_bounds(world)
+    mine = data[bounds[rank]:bounds[rank + 1]].to(device)
+    # Each rank asks its own third (or half) of the queries.
+    q_bounds = [QUERIES * r // world for r in range(world + 1)]
+    my_queries = queries[q_bounds[rank]:q_bounds[rank + 1]].to(device)
+    result = {}
+    result["knn"] = [t.cpu() for t in grnnd.distributed.knn(mine, my_queries, 10)]
+    result["knn_graph"] = [t.cpu() for t in grnnd.distributed.knn_graph(mine, 8)]
+    sharded = grnnd.distributed.ShardedIndex.build(mine)
+    result["sharded"] = [t.cpu() for t in sharded.search(my_queries, 10, list_size=64)]
+    restored = grnnd.distributed.ShardedIndex.from_state_dict(sharded.state_dict())
+    result["restored_equal"] = torch.equal(restored.search(my_queries, 10, list_size=64)[1].cpu(),
+                                           result["sharded"][1])
+    user = grnnd.distributed.ShardedIndex.build(mine, ids=torch.arange(bounds[rank], bounds[rank + 1]).to(device)
+                                                * 3 + 7)
+    result["user_ids"] = user.search(my_queries, 10, list_size=64)[1].cpu()
+    replicated = grnnd.distributed.ReplicatedIndex(grnnd.Index.build(data.to(device)))
+    result["replicated"] = [t.cpu() for t in replicated.search(queries.to(device), 10, list_size=64)]
+    # Mismatches: every rank must raise (a hang would time the test out).
+    errors = []
+    for bad in (lambda: grnnd.distributed.knn(mine[:, :DIM - rank % 2], my_queries[:, :DIM - rank % 2], 10),
+                lambda: grnnd.distributed.knn(mine, my_queries, 10 + rank % 2),
+                lambda: grnnd.distributed.knn(mine.double() if rank == 1 else mine, my_queries, 10),
+                lambda: grnnd.distributed.knn(mine, my_queries[:, :4], 10)):
+        try:
+            bad()
+            errors.append(None)
+        except (ValueError, TypeError) as e:
+            errors.append(str(e))
+    result["errors"] = errors
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(world: int, device: str = "cpu"):
+    out = tempfile.mkdtemp()
+    init = "file://" + os.path.join(out, "rendezvous")
+    mp.spawn(worker, args=(world, init, out, device), nprocs=world, join=True)
+    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+
+
+def recall(found, truth):
+    return torch.isin(found, truth).float().sum().item() / truth.numel()
+
+
+def check(results, world):
+    data, queries = dataset()
+    truth = exact_neighbours(data, queries, 10)[1]
+    rows = lambda key, j: torch.cat([r[key][j] for r in results])  # noqa: E731  (this rank's queries, in rank order)
+    # Exact ops: the same neighbours as one process with all the data.
+    single_d, single = grnnd.knn(data, queries, 10)
+    assert torch.equal(rows("knn", 1), single) and torch.allclose(rows("knn", 0), single_d)
+    assert recall(single, truth) == 1.0
+    graph_ids = rows("knn_graph", 1)
+    want = grnnd.knn(data, data, 9)[1]
+    want = torch.stack([r[r != i][:8] for i, r in enumerate(want)])
+    assert torch.equal(graph_ids, want)
+    # The sharded index: recall within 0.01 of one index over all the data.
+    one = grnnd.Index.build(data).search(queries, 10, list_size=64)[1]
+    assert recall(rows("sharded", 1), truth) >= recall(one, truth) - 0.01
+    assert all(r["restored_equal"] for r in results)
+    user = torch.cat([r["user_ids"] for r in results])
+    assert ((user - 7) % 3 == 0).all() and recall((user - 7) // 3, truth) >= recall(one, truth) - 0.01
+    # Replicated: every rank gets the same answer for the whole batch, as good as one index's.
+    for r in results:
+        assert torch.equal(r["replicated"][1], results[0]["replicated"][1])
+    assert results[0]["replicated"][1].shape == (QUERIES, 10)
+    assert recall(results[0]["replicated"][1], truth) >= recall(one, truth) - 0.01
+    # Every rank raised on every mismatch, with a message naming what differs.
+    for r in results:
+        e = r["errors"]
+        assert "disagree on dim" in e[0] and "disagree on k" in e[1] and "disagree on dtype" in e[2]
+        assert "queries have 4 columns, the data 16" in e[3]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_agree_with_one_process(world):
+    check(run(world), world)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_two_ranks_sharing_one_gpu():
+    check(run(2, "cuda"), 2)

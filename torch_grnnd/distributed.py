@@ -1,0 +1,283 @@
+"""Indexes and exact k-NN over data spread across the ranks of a ``torch.distributed`` group.
+
+Works in any initialised process group (NCCL between GPUs, gloo on CPUs, one or many hosts, any
+number of ranks), with the collectives PyTorch already runs:
+
+- :class:`ShardedIndex`: each rank indexes its own rows (its shard). A search gathers every
+  rank's queries, searches them on every shard, and returns to each rank the best k of its own
+  queries over all shards (one all-gather of the queries, one all-to-all of the per-shard top k).
+- :class:`ReplicatedIndex`: every rank holds the whole index; a batch that every rank passes is
+  split between them and each rank gets the whole answer (throughput).
+- :func:`knn` and :func:`knn_graph`: exact neighbours over sharded data, the same exchange.
+
+Ids are global: a shard's rows are numbered after the rows of the ranks before it (rank offset
+plus local row), unless the rows carry user ids. Before any exchange the ranks compare what must
+agree (width, dtype, k, metric, ids or not) in one small all-gather, and if anything differs
+every rank raises the same error instead of some of them waiting in a collective that the others
+never enter. Collectives otherwise wait as long as the process group's ``timeout`` (given to
+``init_process_group``) allows.
+
+Each rank's state is its own (:meth:`ShardedIndex.state_dict`): save it per rank, or with
+``torch.distributed.checkpoint``.
+"""
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import ops
+from .index import Index
+from .params import BuildParams, SearchParams
+from .progress import Progress
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+_METRICS = ["l2", "ip", "cosine"]
+
+
+def _comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Where the group's collectives take tensors: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(group: Optional[dist.ProcessGroup], what: str, **fields: int) -> List[List[int]]:
+    """Every rank's values of ``fields`` (ints), after checking that they are equal on all ranks
+    (fields named ``*_each`` may differ); raises on every rank where they are not."""
+    names = list(fields)
+    mine = torch.tensor([fields[n] for n in names], dtype=torch.long, device=_comm_device(group))
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    table = [t.tolist() for t in everyone]
+    for j, name in enumerate(names):
+        if name.endswith("_each"):
+            continue
+        values = [row[j] for row in table]
+        if len(set(values)) > 1:
+            raise ValueError(f"{what}: the ranks disagree on {name}: {values} (rank by rank); every rank must "
+                             "pass the same")
+    return table
+
+
+def _all_gather_rows(t: Tensor, sizes: Sequence[int], group: Optional[dist.ProcessGroup]) -> Tensor:
+    """Every rank's ``t`` ([sizes[r], ...] on rank r), concatenated in rank order."""
+    device = _comm_device(group)
+    most = max(sizes)
+    padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype, device=device)
+    padded[:t.shape[0]] = t.to(device)
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:s] for p, s in zip(parts, sizes)]).to(t.device)
+
+
+def _exchange(dists: Tensor, ids: Tensor, sizes: Sequence[int], group: Optional[dist.ProcessGroup]) -> Tuple[Tensor, Tensor]:
+    """This rank's answers for every rank's queries (rows in rank order, ``sizes`` each) in, the
+    answers of every rank for this rank's queries out: ``[world, my queries, k]`` each."""
+    device, home = _comm_device(group), dists.device
+    rank = dist.get_rank(group)
+    world = len(sizes)
+    out = []
+    for t in (dists, ids):
+        receive = torch.empty((world * sizes[rank], *t.shape[1:]), dtype=t.dtype, device=device)
+        dist.all_to_all_single(receive, t.to(device).contiguous(), output_split_sizes=[sizes[rank]] * world,
+                               input_split_sizes=list(sizes), group=group)
+        out.append(receive.view(world, sizes[rank], *t.shape[1:]).to(home))
+    return out[0], out[1]
+
+
+def _best(dists: Tensor, ids: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """The k best of ``[world, q, k']`` candidates per query, ascending by (distance, id), padded
+    with (inf, -1) where all shards together have fewer."""
+    d = dists.permute(1, 0, 2).flatten(1)
+    i = ids.permute(1, 0, 2).flatten(1)
+    d = d.masked_fill(i < 0, float("inf"))
+    order = torch.argsort(i, dim=1, stable=True)          # ties by id ...
+    d, i = d.gather(1, order), i.gather(1, order)
+    order = torch.argsort(d, dim=1, stable=True)[:, :k]   # ... then by distance
+    d, i = d.gather(1, order), i.gather(1, order)
+    if d.shape[1] < k:
+        d = torch.nn.functional.pad(d, (0, k - d.shape[1]), value=float("inf"))
+        i = torch.nn.functional.pad(i, (0, k - i.shape[1]), value=-1)
+    return d, i.masked_fill(torch.isinf(d), -1)
+
+
+def _padded(dists: Tensor, ids: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """Results widened to k columns with (inf, -1)."""
+    if dists.shape[1] < k:
+        dists = torch.nn.functional.pad(dists, (0, k - dists.shape[1]), value=float("inf"))
+        ids = torch.nn.functional.pad(ids, (0, k - ids.shape[1]), value=-1)
+    return dists, ids
+
+
+def _setup(what: str, group: Optional[dist.ProcessGroup], data: Tensor, metric: str,
+           queries: Optional[Tensor] = None, **extra: int) -> Tuple[int, int, List[int]]:
+    """``(offset, total, query_sizes)``: this rank's first global id, the rows on all ranks and
+    every rank's number of queries, once the ranks agree on everything that must be equal.
+    Nothing here raises on one rank alone: what is checked is the same on every rank."""
+    fields = dict(rows_each=data.shape[0] if data.dim() == 2 else -1,
+                  dim=data.shape[1] if data.dim() == 2 else -1,
+                  dtype=_DTYPES.index(data.dtype) if data.dtype in _DTYPES else -1,
+                  metric=_METRICS.index(metric) if metric in _METRICS else -1, **extra)
+    if queries is not None:
+        fields.update(queries_each=queries.shape[0] if queries.dim() == 2 else -1,
+                      query_dim=queries.shape[1] if queries.dim() == 2 else -1,
+                      query_dtype=_DTYPES.index(queries.dtype) if queries.dtype in _DTYPES else -1)
+    table = _agree(group, what, **fields)
+    column = {name: [row[j] for row in table] for j, name in enumerate(fields)}
+    if min(column["rows_each"]) < 0 or fields["dim"] < 0 or (queries is not None and min(column["queries_each"]) < 0):
+        raise ValueError(f"{what}: expected 2-D tensors [rows, dim] on every rank")
+    if fields["dtype"] < 0 or (queries is not None and fields["query_dtype"] < 0):
+        raise TypeError(f"{what}: expected floating-point tensors, got {data.dtype}"
+                        + ("" if queries is None else f" and {queries.dtype}"))
+    if fields["metric"] < 0:
+        raise ValueError(f'{what}: metric must be "l2", "ip" or "cosine", got {metric!r}')
+    if queries is not None and fields["query_dim"] != fields["dim"]:
+        raise ValueError(f"{what}: queries have {fields['query_dim']} columns, the data {fields['dim']}")
+    sizes = column["rows_each"]
+    rank = dist.get_rank(group)
+    return sum(sizes[:rank]), sum(sizes), column.get("queries_each", [])
+
+
+def _search_everywhere(local_search, queries: Tensor, k: int, sizes: Sequence[int],
+                       group: Optional[dist.ProcessGroup]) -> Tuple[Tensor, Tensor]:
+    """Every rank's queries (``sizes`` each) searched on every shard by
+    ``local_search(all_queries, k)``, which returns global ids; this rank's queries' best k."""
+    everyone = _all_gather_rows(queries, sizes, group)
+    dists, ids = local_search(everyone, k)
+    dists, ids = _exchange(dists, ids, sizes, group)
+    return _best(dists, ids, k)
+
+
+def _no_rows(queries: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """The answer of a shard without rows: all padding."""
+    return (torch.full((queries.shape[0], k), float("inf"), device=queries.device),
+            torch.full((queries.shape[0], k), -1, dtype=torch.long, device=queries.device))
+
+
+def knn(local_data: Tensor, queries: Tensor, k: int, *, metric: ops.Metric = "l2",
+        group: Optional[dist.ProcessGroup] = None) -> Tuple[Tensor, Tensor]:
+    """Exact k nearest neighbours of this rank's ``queries`` among the rows of every rank's
+    ``local_data``: ``(dists float32 [Q, k], ids int64 [Q, k])`` with global ids (rank offset
+    plus row), ascending, (inf, -1) padded where all ranks together hold fewer than k rows.
+    Called by every rank of ``group``."""
+    offset, total, sizes = _setup("knn", group, local_data, metric, queries, k=k)
+    if k < 1 or k > total:
+        raise ValueError(f"k: expected 1 <= k <= {total} (rows on all ranks), got {k}")
+
+    def local(everyone: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+        n = local_data.shape[0]
+        if n == 0:
+            return _no_rows(everyone, k)
+        dists, ids = ops.knn(local_data, everyone.to(local_data.dtype), min(k, n), metric=metric)
+        return _padded(dists, ids + offset, k)
+
+    return _search_everywhere(local, queries, k, sizes, group)
+
+
+def knn_graph(local_data: Tensor, k: int, *, metric: ops.Metric = "l2",
+              group: Optional[dist.ProcessGroup] = None) -> Tuple[Tensor, Tensor]:
+    """Exact k nearest other rows of each of this rank's rows among the rows of all ranks:
+    ``(dists [n, k], ids [n, k])``, global ids, the row itself left out (a duplicate of it may
+    stay). Called by every rank of ``group``."""
+    offset, total, _ = _setup("knn_graph", group, local_data, metric, k=k)
+    if k < 1 or k >= total:
+        raise ValueError(f"k: expected 1 <= k <= {total - 1} (rows on all ranks minus the row itself), got {k}")
+    dists, ids = knn(local_data, local_data, k + 1, metric=metric, group=group)
+    own = torch.arange(offset, offset + local_data.shape[0], device=ids.device)[:, None]
+    # Drop each row's own id; where it is not among its k + 1, drop the last.
+    drop = ids == own
+    drop[:, -1] |= ~drop.any(1)
+    keep = torch.argsort(drop.to(torch.int8), dim=1, stable=True)[:, :k]
+    return dists.gather(1, keep), ids.gather(1, keep)
+
+
+class ShardedIndex:
+    """One index over the rows of every rank: each rank holds and searches its own shard.
+
+    Example (under ``torchrun``, after ``dist.init_process_group``)::
+
+        index = ShardedIndex.build(my_rows)            # my_rows: this rank's [n_r, D]
+        dists, ids = index.search(my_queries, k=10)    # global ids over all ranks' rows
+    """
+
+    def __init__(self, local: Index, offset: int, total: int, group: Optional[dist.ProcessGroup] = None):
+        """Wrap this rank's ``local`` index (whose search returns global ids) of ``total`` rows
+        in all, this shard's first being global id ``offset``."""
+        self.local, self.offset, self.total, self.group = local, offset, total, group
+
+    @classmethod
+    def build(cls, local_data: Tensor, params: Optional[BuildParams] = None, *, metric: ops.Metric = "l2",
+              ids: Optional[Tensor] = None, group: Optional[dist.ProcessGroup] = None, progress: Progress = False,
+              **settings: Any) -> "ShardedIndex":
+        """Build this rank's shard of ``local_data`` (every rank of ``group`` calls it with its
+        own rows, the same width, dtype and metric). ``ids``: optional int64 user ids of the
+        local rows (on every rank or none; distinct across all ranks, which is not checked);
+        without them a row's id is the rank offset plus its local row."""
+        offset, total, _ = _setup("ShardedIndex.build", group, local_data, metric, has_ids=int(ids is not None))
+        if ids is None:
+            ids = torch.arange(offset, offset + local_data.shape[0], device=local_data.device)
+        local = Index.build(local_data, params, metric=metric, ids=ids, progress=progress, **settings)
+        return cls(local, offset, total, group)
+
+    def search(self, queries: Tensor, k: Optional[int] = None, *, params: Optional[SearchParams] = None,
+               **settings: Any) -> Tuple[Tensor, Tensor]:
+        """``(dists, ids)`` of this rank's queries over every shard (every rank calls it, with
+        its own queries and the same k and settings); see :meth:`Index.search`."""
+        p = SearchParams.merge(params, k=k, **settings)
+        if p.filter is not None:
+            raise ValueError("ShardedIndex.search: a filter is over one shard's rows; remove rows with "
+                             "local.remove instead")
+
+        _, _, sizes = _setup("ShardedIndex.search", self.group, self.local.data, self.local.metric, queries,
+                             k=p.k, list_size=p.list_size)
+
+        def local(everyone: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+            n = len(self.local)
+            if n == 0:
+                return _no_rows(everyone, k)
+            dists, ids = self.local.search(everyone.to(self.local.data.dtype), min(k, n), params=p)
+            return _padded(dists, ids, k)
+
+        return _search_everywhere(local, queries, p.k, sizes, self.group)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's shard and where it sits: save one per rank."""
+        return {"local": self.local.state_dict(), "offset": self.offset, "total": self.total,
+                "rank": dist.get_rank(self.group), "world_size": dist.get_world_size(self.group)}
+
+    @classmethod
+    def from_state_dict(cls, state: Dict[str, Any], group: Optional[dist.ProcessGroup] = None) -> "ShardedIndex":
+        """Inverse of :meth:`state_dict` in a group of the same size, each rank loading its own."""
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if state.get("world_size") != world or state.get("rank") != rank:
+            raise ValueError(f"state: saved by rank {state.get('rank')} of {state.get('world_size')}, loaded by rank "
+                             f"{rank} of {world}; load each rank's own state in a group of the same size")
+        return cls(Index.from_state_dict(state["local"]), state["offset"], state["total"], group)
+
+
+@dataclasses.dataclass
+class ReplicatedIndex:
+    """The same index on every rank; a batch every rank passes is split between the ranks, and
+    each rank gets the whole answer (one all-gather)."""
+
+    index: Index
+    group: Optional[dist.ProcessGroup] = None
+
+    def search(self, queries: Tensor, k: Optional[int] = None, *, params: Optional[SearchParams] = None,
+               **settings: Any) -> Tuple[Tensor, Tensor]:
+        """``(dists, ids)`` of the whole batch, searched a share per rank (every rank passes the
+        same ``queries``, ``k`` and settings); the same as ``index.search`` on one rank."""
+        p = SearchParams.merge(params, k=k, **settings)
+        _setup("ReplicatedIndex.search", self.group, self.index.data, self.index.metric, queries, k=p.k,
+               list_size=p.list_size, rows=self.index.data.shape[0], batch=queries.shape[0])
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        bounds = [queries.shape[0] * r // world for r in range(world + 1)]
+        mine = queries[bounds[rank]:bounds[rank + 1]]
+        dists, ids = self.index.search(mine, params=p)
+        sizes = [bounds[r + 1] - bounds[r] for r in range(world)]
+        return _all_gather_rows(dists, sizes, self.group), _all_gather_rows(ids, sizes, self.group)
