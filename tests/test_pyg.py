@@ -243,3 +243,21 @@ def test_knn_graph_transform_on_a_pyg_data_object():
     out = KNNGraph(k=4, force_undirected=True)(data)
     assert isinstance(out, torch_geometric.data.Data) and out.num_nodes == 50
     assert torch.equal(out.edge_index, to_undirected(knn_graph(data.pos, 4), num_nodes=50))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("k", [1, 16, 21, 32])
+def test_knn_segments_warp_per_query_equals_cpu_bit_for_bit(k):
+    # Point clouds of 512 to 4096 points an example on average take a warp per query on the GPU
+    # (knn_segments_cuda.cu); an empty example, one smaller than k, ties and queries of no
+    # example are among them.
+    g = torch.Generator().manual_seed(k)
+    sizes = torch.tensor([1500, 0, 7, 2048, 900, 1200])
+    ptr_x = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+    x = torch.randint(0, 6, (int(sizes.sum()), 3), generator=g).float()  # many exact ties
+    y = torch.randn(3000, 3, generator=g) * 2 + 2
+    batch_y = torch.randint(-1, 7, (3000,), generator=g)
+    cpu = torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y, k, method="scan")
+    gpu = torch.ops.grnnd.knn_segments(x.cuda(), y.cuda(), ptr_x.cuda(), batch_y.cuda(), k, method="scan")
+    assert torch.equal(cpu[1], gpu[1].cpu()) and torch.equal(cpu[0], gpu[0].cpu())

@@ -16,10 +16,11 @@
 // arithmetic: both kernels return the same neighbours and bit for bit the same distances.
 //
 // Measured on an H100 (benchmarks/bench_pyg.py): the kernel takes 0.41 ms for 32 clouds x 1024
-// points, d = 3, k = 20, at about 10% occupancy (1 024 warps in all). Four threads per query,
-// each taking a quarter of the rows and merging lists at the end, made it slower (1.48 ms
-// against 0.85 ms for the whole knn_graph call): with 1 024 candidates a query's time goes to
-// insertions, and four lists take four times as many.
+// points, d = 3, k = 20, at about 10% occupancy (1 024 warps in all); point clouds of 512 to
+// 4096 points per example go to a warp per query instead (knn_segments_warp_kernel). Four
+// threads per query, each taking a quarter of the rows and merging lists at the end, made it
+// slower (1.48 ms against 0.85 ms for the whole knn_graph call): with 1 024 candidates a query's
+// time goes to insertions, and four lists take four times as many.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -228,6 +229,64 @@ __global__ void __launch_bounds__(kQueries) knn_segments_kernel(SegmentArgs a) {
   if (query < a.ny) best.store(a.out_d + query * a.k, a.out_i + query * a.k, a.k);
 }
 
+// A warp per query, for k <= 32. Lane j computes the distance of row base + j, 32 rows at a time
+// in row order; the warp's best k sit one per lane (lane j the j-th), and the rows nearer than
+// the k-th are inserted lowest lane first: the scan's order and its tie rule (after the entries
+// at an equal distance), so the results are those of the CPU kernel, bit for bit. 32 times as
+// many threads share a batch as with a thread per query, and a row that does not beat the k-th
+// costs one comparison in a lane instead of a serial step. Each lane reads its rows from global
+// memory, so wide rows lose the tiles' sharing. Measured on an H100 (benchmarks/bench_pyg.py,
+// d = 3, the op alone, against the tiled kernel above): 32 x 1024 points, k = 21: 0.283 ms
+// against 0.378; 64 x 512, k = 17: 0.173 against 0.237; 128 x 256: 0.132 against 0.128;
+// 256 x 128: 0.105 against 0.085; 8 x 16 384: 6.77 against 6.02 ms; and d = 64, 32 x 1024:
+// 9.0 against 0.61 ms. Hence kWarpRows.
+constexpr int kWarpQueriesPerBlock = 8;
+struct WarpRows {
+  int64_t min_per_example, max_per_example;
+  int max_dim;
+};
+constexpr WarpRows kWarpRows{512, 4096, 4};
+
+__global__ void __launch_bounds__(kWarpQueriesPerBlock * kWarpSize) knn_segments_warp_kernel(SegmentArgs a) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t query = static_cast<int64_t>(blockIdx.x) * kWarpQueriesPerBlock + threadIdx.x / kWarpSize;
+  if (query >= a.ny) return;  // warp-uniform
+  const SegmentRange rows = segment_range(a.ptr, a.examples, a.nx, a.batch[query]);
+  const float* q = a.y + query * a.dim;
+  float best_d = std::numeric_limits<float>::infinity();
+  int64_t best_i = -1;
+  float kth = std::numeric_limits<float>::infinity();
+  for (int64_t base = rows.begin; base < rows.end; base += kWarpSize) {
+    const int64_t row = base + lane;
+    float d = std::numeric_limits<float>::infinity();
+    if (row < rows.end) {
+      const float* r = a.x + row * a.dim;
+      d = 0.0f;
+      for (int j = 0; j < a.dim; ++j) d = add_square(d, __ldg(q + j), __ldg(r + j));
+    }
+    for (unsigned accept = __ballot_sync(kFullMask, d < kth); accept != 0; accept &= accept - 1) {
+      const int src = __ffs(accept) - 1;
+      const float dd = __shfl_sync(kFullMask, d, src);
+      if (!(dd < kth)) continue;  // the k-th moved past it (kth is warp-uniform)
+      const int at = __popc(__ballot_sync(kFullMask, lane < a.k && best_d <= dd));
+      const float up_d = __shfl_up_sync(kFullMask, best_d, 1);
+      const int64_t up_i = __shfl_up_sync(kFullMask, best_i, 1);
+      if (lane > at && lane < a.k) {
+        best_d = up_d;
+        best_i = up_i;
+      } else if (lane == at) {
+        best_d = dd;
+        best_i = base + src;
+      }
+      kth = __shfl_sync(kFullMask, best_d, a.k - 1);
+    }
+  }
+  if (lane < a.k) {
+    a.out_d[query * a.k + lane] = best_d;
+    a.out_i[query * a.k + lane] = best_i;
+  }
+}
+
 template <int kDimChunk>
 void launch_for_k(const SegmentArgs& args, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((args.ny + kQueries - 1) / kQueries));
@@ -275,6 +334,14 @@ std::tuple<at::Tensor, at::Tensor> knn_segments_cuda(const at::Tensor& x, const 
   args.k = static_cast<int>(k);
   args.out_d = out_d.data_ptr<float>();
   args.out_i = out_i.data_ptr<int64_t>();
+  const int64_t per_example = args.nx / std::max<int64_t>(1, args.examples);
+  if (k <= kWarpSize && args.dim <= kWarpRows.max_dim && per_example >= kWarpRows.min_per_example &&
+      per_example <= kWarpRows.max_per_example) {
+    const unsigned blocks = static_cast<unsigned>(ceil_div(args.ny, kWarpQueriesPerBlock));
+    knn_segments_warp_kernel<<<blocks, kWarpQueriesPerBlock * kWarpSize, 0, stream>>>(args);
+    check_launch();
+    return {out_d, out_i};
+  }
   // Point clouds (3 to 6 coordinates), small features, and wide features in passes of 64.
   if (args.dim <= 4) {
     launch_for_k<4>(args, stream);
