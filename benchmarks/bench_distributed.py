@@ -73,7 +73,6 @@ def main():
     sharded, r["sharded_build_s"] = seconds(lambda: grnnd.distributed.ShardedIndex.build(mine), repeat=1)
     (d_sh, i_sh), r["sharded_search_s"] = seconds(lambda: sharded.search(my_queries, K, list_size=LIST))
     (_, i_ex), r["exact_knn_s"] = seconds(lambda: grnnd.distributed.knn(mine, my_queries, K))
-    half = base[:bounds[1]].contiguous()
     replicated = grnnd.distributed.ReplicatedIndex(grnnd.Index.build(base[:bounds[1]].contiguous()))
     _, r["replicated_search_s"] = seconds(lambda: replicated.search(queries, K, list_size=LIST))
     # Everyone's answers on rank 0 for the recall (equal shares: all_gather fits).
@@ -86,6 +85,7 @@ def main():
         exact_ids = torch.cat(gathered)
     if rank == 0:
         # One GPU alone (the other ranks wait at the barrier below).
+        half = base[:bounds[1]].contiguous()
         one_half, r["one_gpu_build_s"] = seconds(lambda: grnnd.Index.build(half), repeat=1, everyone=False)
         _, r["one_gpu_search_s"] = seconds(lambda: one_half.search(queries, K, list_size=LIST), everyone=False)
         _, r["one_gpu_replica_search_s"] = seconds(lambda: replicated.index.search(queries, K, list_size=LIST),

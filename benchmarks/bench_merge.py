@@ -7,7 +7,6 @@ Data as benchmarks/bench_gpu.py loads it. recall@10 at list 64 against exact nei
 (grnnd.knn); times are CUDA events on a GPU, wall clock on the CPU. Writes
 merge_<name>.{json,md} under --out.
 """
-import argparse
 import json
 import os
 import sys
@@ -16,23 +15,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.bench_gpu import load_data  # noqa: E402
-from benchmarks.bench_update import K, LIST, recall, timed  # noqa: E402
+from benchmarks.bench_update import K, LIST, recall, setup, timed  # noqa: E402
 from benchmarks.report import machine, machine_line  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="clustered:n=10000000,d=128,clusters=10000,queries=10000")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default="benchmarks/results")
-    args = p.parse_args()
-    device = torch.device(args.device)
-    name, base, queries, _ = load_data(args.data, device)
-    if device.type == "cpu":
-        base, queries = base.float(), queries.float()
+    args, device, name, base, queries = setup(__doc__, "clustered:n=10000000,d=128,clusters=10000,queries=10000")
     n = base.shape[0]
-    grnnd.build(base[: min(50_000, n)])  # warm-up
     truth = grnnd.knn(base, queries, K)[1]
     fresh, fresh_s = timed(lambda: grnnd.Index.build(base), device)
     fresh_recall = recall(fresh, queries, truth)

@@ -101,9 +101,11 @@ def deletes(base, queries, device) -> dict:
             "fresh_recall": recall(fresh, queries, truth)}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="clustered:n=1000000,d=384,clusters=1000,queries=10000")
+def setup(description: str, data: str):
+    """The command line of the update benchmarks (--data, --device, --out), the data loaded
+    (float32 on the CPU) and a warm-up build: ``(args, device, name, base, queries)``."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=data)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
@@ -112,6 +114,11 @@ def main():
     if device.type == "cpu":
         base, queries = base.float(), queries.float()
     grnnd.build(base[: min(50_000, base.shape[0])])  # warm-up
+    return args, device, name, base, queries
+
+
+def main():
+    args, device, name, base, queries = setup(__doc__, "clustered:n=1000000,d=384,clusters=1000,queries=10000")
     results = {"data": name, "n": base.shape[0], "dim": base.shape[1], "list_size": LIST,
                "machine": machine(threads=torch.get_num_threads(), cuda=device.type == "cuda")}
     for scenario in (daily_inserts, bulk_growth, deletes):

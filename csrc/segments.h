@@ -23,4 +23,31 @@ C10_HOST_DEVICE inline SegmentRange segment_range(const int64_t* ptr, int64_t ex
   return {begin, end};
 }
 
+// The exact kernels' best k of a query, ascending by (distance, row): (d, row) goes in if it
+// comes before the k-th, entries after it move up one slot. Candidates in row order then keep
+// the lower row of a tie, and candidates in any other order end the same. Empty slots are
+// (+inf, -1): every finite distance goes before them, an infinite one never does.
+C10_HOST_DEVICE inline void insert_nearest(float* best_d, int64_t* best_i, int64_t k, float d, int64_t row) {
+  const auto before = [&](int64_t p) { return d < best_d[p] || (d == best_d[p] && row < best_i[p]); };
+  if (!before(k - 1)) return;
+  int64_t p = k - 1;
+  for (; p > 0 && before(p - 1); --p) {
+    best_d[p] = best_d[p - 1];
+    best_i[p] = best_i[p - 1];
+  }
+  best_d[p] = d;
+  best_i[p] = row;
+}
+
+// The CPU kernels' distance: (q - r)^2 summed in dimension order, rounded as the CUDA kernels'
+// add_square rounds it (best_cuda.cuh).
+inline float ordered_squared_l2(const float* q, const float* r, int64_t dim) {
+  float d = 0.f;
+  for (int64_t j = 0; j < dim; ++j) {
+    const float diff = q[j] - r[j];
+    d += diff * diff;
+  }
+  return d;
+}
+
 }  // namespace grnnd

@@ -128,6 +128,12 @@ def editing(g: torch.Generator):
     index.remove(torch.arange(0, 6000, 7, device="cuda"))
     index.compact()
     index.search(data[:10], 5)
+    # A build started from given entries (the merge's start), junk entries among them.
+    other = grnnd.Index.build(torch.randn(3000, 16, generator=g, device="cuda"), degree=16, pool_size=32,
+                              outer_iters=2, inner_iters=2)
+    grnnd.merge(index, other, outer_iters=2, inner_iters=2)
+    junk = torch.randint(-5, 7000, (6000, 40), generator=g, device="cuda", dtype=torch.int32)
+    grnnd.build(data, degree=16, pool_size=32, outer_iters=1, inner_iters=2, init=junk)
 
 
 if __name__ == "__main__":

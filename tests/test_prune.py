@@ -8,7 +8,7 @@ the oracle must agree entry for entry, ties (broken by id) included.
 import pytest
 import torch
 
-import torch_grnnd as grnnd  # noqa: F401  (registers the ops)
+import torch_grnnd  # noqa: F401  (registers the ops)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])]

@@ -96,10 +96,7 @@ def _best(dists: Tensor, ids: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     order = torch.argsort(i, dim=1, stable=True)          # ties by id ...
     d, i = d.gather(1, order), i.gather(1, order)
     order = torch.argsort(d, dim=1, stable=True)[:, :k]   # ... then by distance
-    d, i = d.gather(1, order), i.gather(1, order)
-    if d.shape[1] < k:
-        d = torch.nn.functional.pad(d, (0, k - d.shape[1]), value=float("inf"))
-        i = torch.nn.functional.pad(i, (0, k - i.shape[1]), value=-1)
+    d, i = _padded(d.gather(1, order), i.gather(1, order), k)
     return d, i.masked_fill(torch.isinf(d), -1)
 
 

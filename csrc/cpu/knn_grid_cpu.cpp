@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include "../grid.h"
+#include "../segments.h"
 
 namespace grnnd {
 namespace cpu {
@@ -38,22 +39,7 @@ std::tuple<at::Tensor, at::Tensor> knn_grid_cpu(const Grid& grid, const at::Tens
       std::fill(best_i.begin(), best_i.end(), -1);
       const auto visit = [&](int64_t first, int64_t last) {
         for (int64_t s = first; s < last; ++s) {
-          const float* r = g.sorted + s * dim;
-          float d = 0.f;
-          for (int64_t j = 0; j < dim; ++j) {
-            const float diff = q[j] - r[j];
-            d += diff * diff;
-          }
-          const int64_t row = g.rows[s];
-          // Ordered by (distance, row): ties go to the lower row, as in the scan.
-          if (!(d < best_d[k - 1] || (d == best_d[k - 1] && row < best_i[k - 1]))) continue;
-          int64_t p = k - 1;
-          for (; p > 0 && (best_d[p - 1] > d || (best_d[p - 1] == d && best_i[p - 1] > row)); --p) {
-            best_d[p] = best_d[p - 1];
-            best_i[p] = best_i[p - 1];
-          }
-          best_d[p] = d;
-          best_i[p] = row;
+          insert_nearest(best_d.data(), best_i.data(), k, ordered_squared_l2(q, g.sorted + s * dim, dim), g.rows[s]);
         }
       };
       for (int64_t r = 0;; ++r) {

@@ -46,20 +46,7 @@ std::tuple<at::Tensor, at::Tensor> knn_segments_cpu(const at::Tensor& x, const a
       int64_t* best_i = ip + i * k;
       const float* q = yp + i * dim;
       for (int64_t c = rows.begin; c < rows.end; ++c) {
-        const float* r = xp + c * dim;
-        float d = 0.f;
-        for (int64_t j = 0; j < dim; ++j) {
-          const float diff = q[j] - r[j];
-          d += diff * diff;
-        }
-        if (!(d < best_d[k - 1])) continue;
-        int64_t p = k - 1;
-        for (; p > 0 && best_d[p - 1] > d; --p) {
-          best_d[p] = best_d[p - 1];
-          best_i[p] = best_i[p - 1];
-        }
-        best_d[p] = d;
-        best_i[p] = c;
+        insert_nearest(best_d, best_i, k, ordered_squared_l2(q, xp + c * dim, dim), c);
       }
     }
   });
