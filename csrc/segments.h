@@ -40,7 +40,7 @@ C10_HOST_DEVICE inline void insert_nearest(float* best_d, int64_t* best_i, int64
 }
 
 // The CPU kernels' distance: (q - r)^2 summed in dimension order, rounded as the CUDA kernels'
-// add_square rounds it (best_cuda.cuh).
+// add_square rounds it (knn_segments_cuda.cu, knn_grid_cuda.cu).
 inline float ordered_squared_l2(const float* q, const float* r, int64_t dim) {
   float d = 0.f;
   for (int64_t j = 0; j < dim; ++j) {

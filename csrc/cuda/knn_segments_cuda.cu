@@ -30,7 +30,6 @@
 
 #include "../checks.h"
 #include "../grid.h"
-#include "best_cuda.cuh"
 #include "vectors_cuda.cuh"
 
 namespace grnnd {
@@ -42,6 +41,59 @@ constexpr int kTileRows = 32;  // candidate rows per shared-memory tile
 constexpr int kRowGroup = 4;   // rows whose distances are computed before any is inserted
 constexpr int kWideChunk = 64;  // dimensions per pass of the widest variant
 constexpr int kMaxRegisterK = 32;
+
+// The CPU's per-dimension step, d += (q - r)^2, rounded the same way (no contraction to an FMA).
+__device__ __forceinline__ float add_square(float d, float q, float r) {
+  const float diff = __fsub_rn(q, r);
+  return __fadd_rn(d, __fmul_rn(diff, diff));
+}
+
+// The best K (distance, row) pairs seen so far, ascending, in registers.
+template <int K>
+struct RegisterBest {
+  float d[K];
+  int32_t i[K];
+
+  __device__ void init() {
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      d[j] = std::numeric_limits<float>::infinity();
+      i[j] = -1;
+    }
+  }
+
+  __device__ __forceinline__ float worst() const { return d[K - 1]; }
+
+  // Entries farther than `dist` move up one slot; the candidate takes the slot above the last
+  // entry at most as far (so after equal distances). The farthest entry falls off the end.
+  __device__ __forceinline__ void insert(float dist, int32_t row) {
+    if (!(dist < d[K - 1])) return;
+#pragma unroll
+    for (int j = K - 1; j > 0; --j) {
+      if (d[j - 1] > dist) {
+        d[j] = d[j - 1];
+        i[j] = i[j - 1];
+      } else if (d[j] > dist) {
+        d[j] = dist;
+        i[j] = row;
+      }
+    }
+    if (d[0] > dist) {
+      d[0] = dist;
+      i[0] = row;
+    }
+  }
+
+  __device__ void store(float* out_d, int64_t* out_i, int k) const {
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      if (j < k) {
+        out_d[j] = d[j];
+        out_i[j] = i[j];
+      }
+    }
+  }
+};
 
 // The best k kept in the output row itself (initialised to +inf / -1), for k > kMaxRegisterK.
 struct RowBest {
@@ -57,7 +109,13 @@ struct RowBest {
 
   __device__ __forceinline__ void insert(float dist, int32_t row) {
     if (!(dist < worst_)) return;
-    insert_nearest(d, i, k, dist, row);
+    int p = k - 1;
+    for (; p > 0 && d[p - 1] > dist; --p) {
+      d[p] = d[p - 1];
+      i[p] = i[p - 1];
+    }
+    d[p] = dist;
+    i[p] = row;
     worst_ = d[k - 1];
   }
 
