@@ -23,7 +23,7 @@ C10_HOST_DEVICE inline SegmentRange segment_range(const int64_t* ptr, int64_t ex
   return {begin, end};
 }
 
-// The exact kernels' best k of a query, ascending by (distance, row): (d, row) goes in if it
+// The exact CPU kernels' best k of a query, ascending by (distance, row): (d, row) goes in if it
 // comes before the k-th, entries after it move up one slot. Candidates in row order then keep
 // the lower row of a tie, and candidates in any other order end the same. Empty slots are
 // (+inf, -1): every finite distance goes before them, an infinite one never does.
