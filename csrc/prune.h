@@ -13,8 +13,8 @@
 //   3. The rule (seed 000, eq. 2, as the build's update applies it): walking the list in that
 //      order, u is kept if fixed, or unless a kept w is closer to u than v is
 //      (d(w, u) < d(v, u)); at most
-//      `degree` are kept. A row left with fewer than min(kMinOutDegree, degree) entries takes
-//      the nearest of the ones the rule dropped, as the build's fill does (min_degree.h).
+//      `degree` are kept. The row's free places then go to the nearest of the ones the rule
+//      dropped, as the build fills its rows after the rule (fill.h).
 //      Without the rule, the nearest `degree` are kept.
 //   4. The row: kept entries in list order (ascending distance), -1 padded to `degree`.
 //

@@ -10,7 +10,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-# The fewest out-edges a row keeps where its candidates allow (csrc/min_degree.h, kMinOutDegree).
+# The fewest out-edges a repaired row keeps where its candidates allow; prune_rows fills rows to the
+# full degree from its candidates (csrc/prune.h), so only a row with few candidates looks further.
 MIN_OUT_DEGREE = 8
 # Candidate columns one prune_rows call takes (csrc/prune.h, kMaxPruneCandidates).
 MAX_CANDIDATES = 2048
@@ -23,7 +24,7 @@ def prune_rows(data: Tensor, metric: str, vertices: Tensor, candidates: Tensor, 
     """New out-rows for ``vertices`` (int64 [m]) from ``candidates`` (int64 [m, c], -1 padded,
     repeats allowed): int32 [m, degree], ascending by distance, -1 padded.
 
-    The build's rule on the nearest 2 x degree candidates, then its minimum out-degree fill;
+    The build's rule on the nearest 2 x degree candidates, then the nearest dropped ones in the free places;
     with ``rule=False`` the nearest ``degree``, sorted; candidates in the first ``fixed``
     columns are kept whatever the rule says (``torch.ops.grnnd.prune_rows``, csrc/prune.h).
     """

@@ -14,7 +14,7 @@
 #include "../build_schedule.h"
 #include "../checks.h"
 #include "../hubs.h"
-#include "../min_degree.h"
+#include "../fill.h"
 #include "../philox.h"
 #include "../prune.h"
 #include "../reachability.h"
@@ -265,7 +265,7 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
       for (int j = 0; j < kept; ++j) out[v * p.degree + j] = slot_id(slot[order[j]]);
     }
   });
-  fill_short_rows(graph, x, lift);
+  graph = fill_rows_cpu(graph, x, lift, p.metric);
   connect_unreachable(graph, data, metric, x, lift);
   return graph;
 }

@@ -7,7 +7,6 @@
 #include <torch/library.h>
 
 #include "../checks.h"
-#include "../min_degree.h"
 #include "../prune.h"
 #include "vectors_cpu.h"
 
@@ -27,7 +26,6 @@ at::Tensor prune_rows_cpu(const at::Tensor& data, const at::Tensor& vertices, co
   const at::Tensor verts = vertices.contiguous();
   const int64_t m = verts.size(0), c = cand.size(1), n = x.size(0);
   const int64_t list_size = kPruneListFactor * degree;
-  const int64_t min_degree = std::min(kMinOutDegree, degree);
   at::Tensor out = at::full({m, degree}, -1, vertices.options().dtype(at::kInt));
   const int64_t* vp = verts.data_ptr<int64_t>();
   const int64_t* cp = cand.data_ptr<int64_t>();
@@ -67,7 +65,7 @@ at::Tensor prune_rows_cpu(const at::Tensor& data, const at::Tensor& vertices, co
       kept[j] = keep;
       count += keep;
     }
-    for (size_t j = 0; j < list.size() && count < min_degree; ++j) {
+    for (size_t j = 0; j < list.size() && count < degree; ++j) {
       if (!kept[j]) {
         kept[j] = 1;
         ++count;

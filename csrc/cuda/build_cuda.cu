@@ -22,7 +22,7 @@
 #include "../build_schedule.h"
 #include "../checks.h"
 #include "../hubs.h"
-#include "../min_degree.h"
+#include "../fill.h"
 #include "../philox.h"
 #include "../prune.h"
 #include "../reachability.h"
@@ -136,13 +136,8 @@ struct BuildArgs {
 template <int TEAM, typename T>
 __device__ __forceinline__ float row_distance(const T* __restrict__ x, const BuildArgs& args, int64_t a, int64_t b,
                                               bool valid, int rank) {
-  float d = team_distance<TEAM, kBuildChunksInFlight, /*HALF_DIFFERENCE=*/true>(
-      x + a * args.dim, x + b * args.dim, valid ? args.dim : 0, args.metric, rank);
-  if (args.lift != nullptr && valid) {
-    const float t = args.lift[a] - args.lift[b];
-    d += t * t;
-  }
-  return d;
+  return rows_distance<TEAM, kBuildChunksInFlight, /*HALF_DIFFERENCE=*/true>(x, args.dim, args.metric, args.lift, a,
+                                                                            b, valid, rank);
 }
 
 // A warp's share of the block's dynamic shared memory: its copy of the read pool and the
@@ -572,7 +567,7 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
                          [&] { dispatch_team<scalar_t>(x, pools, args, p, graph.data_ptr<int32_t>(), changes, init_entries, stream); });
   // The pools are no longer needed; the repairs' own scratch is small.
   slots = dists = at::Tensor();
-  fill_short_rows(graph, x, lift);
+  graph = fill_rows_cuda(graph, x, lift, p.metric);
   connect_unreachable(graph, data, metric, x, lift);
   return graph;
 }

@@ -10,7 +10,6 @@
 #include <torch/library.h>
 
 #include "../checks.h"
-#include "../min_degree.h"
 #include "../prune.h"
 #include "sort_cuda.cuh"
 #include "vectors_cuda.cuh"
@@ -30,7 +29,6 @@ struct PruneArgs {
   const float* lift;  // inner product only (prune.h), else null
   int degree;
   int list_size;   // kPruneListFactor x degree
-  int min_degree;  // min(kMinOutDegree, degree)
   bool rule;
   int64_t fixed;  // leading columns of `candidates` kept whatever the rule says
   int sort_size;  // keys sorted per row: a power of two >= max(width, 32)
@@ -48,12 +46,7 @@ size_t prune_scratch_bytes(const PruneArgs& a) {
 template <int TEAM, typename T>
 __device__ __forceinline__ float prune_distance(const T* __restrict__ x, const PruneArgs& a, int64_t u, int64_t w,
                                                 bool valid, int rank) {
-  float d = team_distance<TEAM>(x + u * a.dim, x + w * a.dim, valid ? a.dim : 0, a.metric, rank);
-  if (a.lift != nullptr && valid) {
-    const float t = a.lift[u] - a.lift[w];
-    d += t * t;
-  }
-  return d;
+  return rows_distance<TEAM>(x, a.dim, a.metric, a.lift, u, w, valid, rank);
 }
 
 template <typename T, int TEAM>
@@ -143,7 +136,7 @@ __global__ void __launch_bounds__(kWarpSize) prune_kernel(const T* __restrict__ 
     }
   }
   if (lane == 0) {
-    for (int j = 0; j < count && kept_count < a.min_degree; ++j) {
+    for (int j = 0; j < count && kept_count < a.degree; ++j) {
       if (!flag[j]) {
         flag[j] = 1;
         ++kept_count;
@@ -192,7 +185,6 @@ at::Tensor prune_rows_cuda(const at::Tensor& data, const at::Tensor& vertices, c
                     lift.defined() ? lift.data_ptr<float>() : nullptr,
                     static_cast<int>(degree),
                     static_cast<int>(kPruneListFactor * degree),
-                    static_cast<int>(std::min(kMinOutDegree, degree)),
                     rule,
                     fixed,
                     next_pow2(static_cast<int>(std::max<int64_t>(cand.size(1), kWarpSize))),

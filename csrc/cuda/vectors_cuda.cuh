@@ -170,6 +170,22 @@ __device__ __forceinline__ float team_distance(const T* a, const T* b, int dim, 
   return metric == Metric::kCosine ? 1.0f + s : s;
 }
 
+// The build's distance between rows a and b of the prepared [n, dim] rows x, by the TEAM lanes of
+// the calling team (same calling rules as team_distance): the metric's distance, or for inner
+// product (lift != null) squared l2 in the space lifted by one coordinate per row (params.h,
+// lifts_inner_product). A team without a pair passes valid = false and gets a meaningless value
+// without loading anything. The build, prune_rows and the fill share it, so they rank alike.
+template <int TEAM, int IN_FLIGHT = 1, bool HALF_DIFFERENCE = false, typename T>
+__device__ __forceinline__ float rows_distance(const T* __restrict__ x, int dim, Metric metric, const float* lift,
+                                               int64_t a, int64_t b, bool valid, int rank) {
+  float d = team_distance<TEAM, IN_FLIGHT, HALF_DIFFERENCE>(x + a * dim, x + b * dim, valid ? dim : 0, metric, rank);
+  if (lift != nullptr && valid) {
+    const float t = lift[a] - lift[b];
+    d += t * t;
+  }
+  return d;
+}
+
 // Lanes per distance (a team), by row size in bytes, for the build and the search alike:
 // enough lanes that each issues at most about four 16-byte loads per row and no more, so that a
 // warp computes several distances of short rows at once. It depends on the row alone, never on
