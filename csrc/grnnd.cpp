@@ -64,6 +64,9 @@ TORCH_LIBRARY(grnnd, m) {
       "bool rule=True, int fixed=0) -> Tensor");
   // The hubs of data's rows (csrc/hubs.h): int64 ids, empty for small data.
   m.def("hub_ids(Tensor data) -> Tensor");
+  // For each query, the ids of its k nearest hubs among data's rows, nearest first: int64
+  // [q, min(k, hubs)] (no columns for data without hubs). The search's entry points (hubs.h).
+  m.def("nearest_hubs(Tensor data, Tensor queries, int k, str metric=\"l2\") -> Tensor");
   // k nearest neighbours of every row of data among the other rows.
   m.def(
       "knn_graph(Tensor data, int k, *, str metric=\"l2\", bool exact=False, int list_size=0, int seed=0) "

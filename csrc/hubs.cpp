@@ -3,6 +3,7 @@
 #include "hubs.h"
 
 #include <algorithm>
+#include <string>
 
 #include <torch/library.h>
 
@@ -65,13 +66,24 @@ at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t 
       break;
   }
   const at::Tensor hubs_t = hubs.t();
-  const at::Tensor lift_t = hubs_lift.defined() ? (-2.0f * hubs_lift).unsqueeze(0) : at::Tensor();
+  // The lift term is rows_lift[r] * lift_coef[hub].
+  const at::Tensor lift_coef = hubs_lift.defined() ? (-2.0f * hubs_lift.to(at::kFloat)).contiguous() : at::Tensor();
   at::Tensor out = at::empty({m, k}, rows.options().dtype(at::kLong));
   const int64_t chunk = std::max<int64_t>(1, kScoreBudget / std::max<int64_t>(h, 1));
   for (int64_t start = 0; start < m; start += chunk) {
     const int64_t end = std::min(m, start + chunk);
-    at::Tensor scores = dot_products(rows.slice(0, start, end), hubs_t).mul_(weight).add_(bias);
-    if (rows_lift.defined()) scores.addmm_(rows_lift.slice(0, start, end).unsqueeze(1), lift_t);
+    const at::Tensor row_lift = rows_lift.defined() ? rows_lift.slice(0, start, end).to(at::kFloat).contiguous()
+                                                    : at::Tensor();
+    at::Tensor scores = dot_products(rows.slice(0, start, end), hubs_t);
+#ifdef GRNND_WITH_CUDA
+    if (scores.is_cuda() && k <= kMaxFusedHubK) {
+      at::Tensor part = out.slice(0, start, end);  // rows of a contiguous [m, k]: contiguous
+      smallest_scores_cuda(scores, weight, bias, row_lift, lift_coef, part);
+      continue;
+    }
+#endif
+    scores.mul_(weight).add_(bias);
+    if (row_lift.defined()) scores.addmm_(row_lift.unsqueeze(1), lift_coef.unsqueeze(0));
     out.slice(0, start, end).copy_(std::get<1>(at::topk(scores, k, 1, /*largest=*/false, /*sorted=*/true)));
   }
   return out;
@@ -105,8 +117,29 @@ at::Tensor hub_entries(const at::Tensor& x, const at::Tensor& queries, Metric me
   return hubs.index_select(0, nearest.flatten()).view_as(nearest).to(at::kInt).contiguous();
 }
 
+namespace {
+
+at::Tensor nearest_hubs_op(const at::Tensor& data, const at::Tensor& queries, int64_t k, c10::string_view metric) {
+  TORCH_CHECK_VALUE(data.dim() == 2 && queries.dim() == 2 && data.size(1) == queries.size(1),
+                    "nearest_hubs: expected data [n, d] and queries [q, d], got ", data.sizes(), " and ",
+                    queries.sizes());
+  TORCH_CHECK_VALUE(data.device() == queries.device() && data.scalar_type() == queries.scalar_type(),
+                    "nearest_hubs: expected data and queries on one device with one dtype, got ", data.device(), " ",
+                    data.scalar_type(), " and ", queries.device(), " ", queries.scalar_type());
+  TORCH_CHECK_VALUE(at::isFloatingType(data.scalar_type()), "nearest_hubs: expected floating-point rows, got ",
+                    data.scalar_type());
+  TORCH_CHECK_VALUE(k >= 1, "nearest_hubs: expected k >= 1, got ", k);
+  const at::Tensor table = hub_entries(data.contiguous(), queries.contiguous(), parse_metric(std::string(metric)),
+                                       /*x_normalised=*/false, k);
+  if (!table.defined()) return at::empty({queries.size(0), 0}, queries.options().dtype(at::kLong));
+  return table.to(at::kLong);
+}
+
+}  // namespace
+
 TORCH_LIBRARY_IMPL(grnnd, CompositeExplicitAutograd, m) {
   m.impl("hub_ids", [](const at::Tensor& data) { return hub_ids(data.size(0), data.options()); });
+  m.impl("nearest_hubs", &nearest_hubs_op);
 }
 
 }  // namespace grnnd

@@ -44,6 +44,17 @@ at::Tensor hub_ids(int64_t n, const at::TensorOptions& options);
 at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t k, Metric metric,
                         const at::Tensor& rows_lift = at::Tensor(), const at::Tensor& hubs_lift = at::Tensor());
 
+// On CUDA, nearest_hubs scores and selects in one kernel (csrc/cuda/hubs_cuda.cu) for k up to
+// this many hubs; beyond it (long search lists) at::topk selects.
+constexpr int64_t kMaxFusedHubK = 32;
+
+// out [m, k] int64 (contiguous, k <= kMaxFusedHubK, k <= h): per row r of dots [m, h] (float32,
+// contiguous), the columns c of the k smallest weight[c] * dots[r, c] + bias[c]
+// (+ row_lift[r] * lift_coef[c] where row_lift is defined), ascending, the lower column first
+// among equal scores.
+void smallest_scores_cuda(const at::Tensor& dots, const at::Tensor& weight, const at::Tensor& bias,
+                          const at::Tensor& row_lift, const at::Tensor& lift_coef, at::Tensor& out);
+
 // The build's partition of n rows into the cells of their nearest hub.
 struct Cells {
   at::Tensor members;  // int32 [n]: row ids grouped by cell (stable: increasing within a cell)

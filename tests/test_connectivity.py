@@ -37,6 +37,36 @@ def test_hubs_are_one_row_per_stratum():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_nearest_hubs_rank_hubs_as_the_metric_does(device, metric, dtype):
+    # 40 hubs; k = 1, 2 and 32 go through the fused selection on CUDA, 40 through at::topk.
+    g = torch.Generator().manual_seed(3)
+    data = (torch.randn(40_000, 24, generator=g) * torch.rand(40_000, 1, generator=g)).to(device, dtype)
+    queries = torch.randn(700, 24, generator=g).to(device, dtype)
+    hubs = grnnd.diagnostics.hubs(data)
+    h, q = data[hubs].double(), queries.double()
+    if metric == "l2":
+        score = torch.cdist(q, h).pow(2)
+    elif metric == "ip":
+        score = -q @ h.T
+    else:
+        score = 1 - torch.nn.functional.normalize(q, dim=1) @ torch.nn.functional.normalize(h, dim=1).T
+    exact = score.sort(dim=1).values
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    for k in (1, 2, 32, 40):
+        ids = grnnd.diagnostics.nearest_hubs(data, queries, k, metric=metric)
+        assert ids.shape == (700, k) and ids.dtype == torch.int64
+        position = torch.searchsorted(hubs, ids)
+        assert torch.equal(hubs[position], ids), "an id that is no hub"
+        assert (ids.sort(dim=1).values.diff(dim=1) > 0).all(), "a hub twice"
+        # Nearest first, and the k chosen are the k nearest (up to rounding of near ties).
+        got = score.gather(1, position)
+        assert (got - exact[:, :k]).abs().max() <= tolerance * exact.abs().max()
+    assert grnnd.diagnostics.nearest_hubs(data[:15_000], queries, 4).shape == (700, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_every_vertex_is_reachable_from_the_hubs(device):
     data = islands(100_000, 16, count=40, size=4).to(device)
     graph = grnnd.build(data, degree=16, pool_size=32, initial_degree=8)

@@ -24,6 +24,7 @@ GRAPH = grnnd.build(DATA, degree=8, pool_size=16, initial_degree=8)
         (torch.ops.grnnd.search.default, (DATA, GRAPH, QUERIES, 5), dict(list_size=16, searches=3)),
         (torch.ops.grnnd.search_distance_counts.default, (DATA, GRAPH, QUERIES, 5), dict(searches=2)),
         (torch.ops.grnnd.knn.default, (DATA, QUERIES, 5), dict(metric="ip")),
+        (torch.ops.grnnd.nearest_hubs.default, (clustered(16_000, 4, 8, seed=13), QUERIES[:, :4], 3), dict()),
         (torch.ops.grnnd.knn_graph.default, (DATA, 4), dict()),
         (torch.ops.grnnd.knn_graph.default, (DATA, 4), dict(exact=True)),
         (torch.ops.grnnd.knn_segments.default, (DATA, QUERIES, torch.tensor([0, 25, 60]),

@@ -56,3 +56,9 @@ def hubs(data: Tensor) -> Tensor:
     """int64 ids of the hubs of ``data``'s rows: the sample whose nearest members give the build
     its start and the search its first entry points (empty under 16 000 rows)."""
     return torch.ops.grnnd.hub_ids(data)
+
+
+def nearest_hubs(data: Tensor, queries: Tensor, k: int, metric: str = "l2") -> Tensor:
+    """int64 [q, min(k, hubs)]: for each query, the ids of its ``k`` nearest hubs among ``data``'s
+    rows, nearest first, as the search picks its entry points (no columns under 16 000 rows)."""
+    return torch.ops.grnnd.nearest_hubs(data, queries, k, metric=metric)

@@ -166,6 +166,11 @@ def _hub_ids_fake(data):
     return data.new_empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.int64)
 
 
+@torch.library.register_fake("grnnd::nearest_hubs")
+def _nearest_hubs_fake(data, queries, k, metric="l2"):
+    return queries.new_empty((queries.shape[0], torch.library.get_ctx().new_dynamic_size()), dtype=torch.int64)
+
+
 @torch.library.register_fake("grnnd::knn")
 def _knn_fake(data, queries, k, **_):
     return _query_outputs(data, queries, k)

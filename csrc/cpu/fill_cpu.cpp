@@ -24,7 +24,8 @@ at::Tensor fill_pass(const at::Tensor& graph, const cpu::VectorSet& vectors) {
   int32_t* rows = out.data_ptr<int32_t>();
   cpu::parallel_dynamic(n, 64, [&](int64_t v) {
     const int32_t* row = in + v * degree;
-    std::vector<Candidate> list;
+    thread_local std::vector<Candidate> list;
+    list.clear();
     for (int64_t j = 0; j < degree; ++j) {
       if (row[j] >= 0 && row[j] < n) list.push_back({0.0f, row[j], true});
     }
@@ -43,7 +44,14 @@ at::Tensor fill_pass(const at::Tensor& graph, const cpu::VectorSet& vectors) {
     list.erase(std::unique(list.begin(), list.end(), [](const Candidate& a, const Candidate& b) { return a.id == b.id; }),
                list.end());
     // 2-3. Distances, then own entries and the nearest others by (distance, id).
-    for (Candidate& c : list) c.dist = vectors(v, c.id);
+    // The candidates' rows are scattered over the data: loads announced a few candidates
+    // ahead overlap with the distances in between (vectors_cpu.h, prefetch).
+    constexpr size_t kAhead = 4;
+    for (size_t i = 0; i < std::min(kAhead, list.size()); ++i) vectors.prefetch(list[i].id);
+    for (size_t i = 0; i < list.size(); ++i) {
+      if (i + kAhead < list.size()) vectors.prefetch(list[i + kAhead].id);
+      list[i].dist = vectors(v, list[i].id);
+    }
     std::sort(list.begin(), list.end(),
               [](const Candidate& a, const Candidate& b) { return a.dist < b.dist || (a.dist == b.dist && a.id < b.id); });
     int32_t* filled = rows + v * degree;
