@@ -45,8 +45,8 @@ at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t 
                         const at::Tensor& rows_lift = at::Tensor(), const at::Tensor& hubs_lift = at::Tensor());
 
 // On CUDA, nearest_hubs scores and selects in one kernel (csrc/cuda/hubs_cuda.cu) for k up to
-// this many hubs; beyond it (long search lists) at::topk selects.
-constexpr int64_t kMaxFusedHubK = 32;
+// this many hubs (the entry points of lists up to 128); beyond it at::topk selects.
+constexpr int64_t kMaxFusedHubK = 64;
 
 // out [m, k] int64 (contiguous, k <= kMaxFusedHubK, k <= h): per row r of dots [m, h] (float32,
 // contiguous), the columns c of the k smallest weight[c] * dots[r, c] + bias[c]

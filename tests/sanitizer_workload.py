@@ -59,7 +59,8 @@ def edge_sizes(g: torch.Generator):
 
 def hubs_and_repair(g: torch.Generator):
     """Data large enough for hubs (the start from cells, hub entry points, split searches taking
-    their share of the hubs) and far islands that the reachability repair must link in."""
+    their share of the hubs, the nearest-hub selection) and far islands that the reachability
+    repair must link in."""
     cloud = torch.randn(20_000, 16, generator=g, device="cuda")
     far = (torch.randn(10, 16, generator=g, device="cuda") * 8).repeat_interleave(4, 0)
     for dtype, metric in [(torch.float16, "l2"), (torch.float32, "ip")]:
@@ -69,6 +70,11 @@ def hubs_and_repair(g: torch.Generator):
         grnnd.search(data, graph, data[-40:], 10, list_size=64, metric=metric)
         grnnd.search(data, graph, data[:3], 10, list_size=64, searches=8, metric=metric)
         grnnd.search_distance_counts(data, graph, data[:20], 10, hub_entries=8, metric=metric)
+    # 70 hubs: every register list of the fused hub selection (2, 8, 32, 64) and the at::topk path.
+    many = torch.randn(70_000, 16, generator=g, device="cuda")
+    for dtype, metric in [(torch.float16, "l2"), (torch.float32, "ip"), (torch.float32, "cosine")]:
+        for k in (1, 5, 20, 64, 70):
+            grnnd.diagnostics.nearest_hubs(many.to(dtype), many[-33:].to(dtype), k, metric=metric)
 
 
 def segments(g: torch.Generator):

@@ -123,6 +123,8 @@ void smallest_scores_cuda(const at::Tensor& dots, const at::Tensor& weight, cons
     cuda::launch<2>(dots, weight, bias, row_lift, lift_coef, out);
   } else if (k <= 8) {
     cuda::launch<8>(dots, weight, bias, row_lift, lift_coef, out);
+  } else if (k <= 32) {
+    cuda::launch<32>(dots, weight, bias, row_lift, lift_coef, out);
   } else {
     cuda::launch<kMaxFusedHubK>(dots, weight, bias, row_lift, lift_coef, out);
   }
