@@ -143,6 +143,21 @@ def test_convergence_stops_early_at_the_quality_of_every_round(many_clusters):
     assert at["converged"] >= at["every"] - 0.01, at
 
 
+def test_a_build_ends_only_after_rounds_that_follow_reverse_edges(many_clusters):
+    # A delta just loose enough that the very first round of the build would count as settled
+    # (10 delta N R above its changes) yet far from ending a round of the first outer iteration:
+    # the build still samples reverse edges after it and tests the round that follows them.
+    data = many_clusters[0]
+    pool = data.shape[0] * 48
+    first = []
+    grnnd.build(data, outer_iters=1, inner_iters=1, delta=0, progress=lambda d, t, c: first.append(c))
+    delta = 1.2 * first[0] / (10 * pool)
+    rounds = []
+    grnnd.build(data, outer_iters=8, inner_iters=3, delta=delta, progress=lambda d, t, c: rounds.append((d, c)))
+    assert rounds[0][1] <= 10 * delta * pool, (rounds, delta)  # the first round alone would have ended it
+    assert rounds[-1][0] > 3, (rounds, delta)
+
+
 def test_hub_entries_are_ignored_without_hubs():
     data = clustered(3000, 8, 10, seed=2)
     graph = grnnd.build(data)
