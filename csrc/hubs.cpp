@@ -36,13 +36,10 @@ at::Tensor dot_products(const at::Tensor& rows, const at::Tensor& hubs_t) {
   return at::mm(rows.to(at::kFloat), hubs_t.to(at::kFloat));
 }
 
-// Scores stay below this many floats per chunk of rows (256 MiB).
-constexpr int64_t kScoreBudget = int64_t{1} << 26;
-
 }  // namespace
 
 at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t k, Metric metric,
-                        const at::Tensor& rows_lift, const at::Tensor& hubs_lift) {
+                        const at::Tensor& rows_lift, const at::Tensor& hubs_lift, int64_t max_scores) {
   const int64_t m = rows.size(0), h = hubs.size(0);
   k = std::min(k, h);
   // score(r, hub) = weight[hub] * <r, hub> + bias[hub] (+ the lift term), smaller is nearer;
@@ -69,7 +66,7 @@ at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t 
   // The lift term is rows_lift[r] * lift_coef[hub].
   const at::Tensor lift_coef = hubs_lift.defined() ? (-2.0f * hubs_lift.to(at::kFloat)).contiguous() : at::Tensor();
   at::Tensor out = at::empty({m, k}, rows.options().dtype(at::kLong));
-  const int64_t chunk = std::max<int64_t>(1, kScoreBudget / std::max<int64_t>(h, 1));
+  const int64_t chunk = std::max<int64_t>(1, max_scores / std::max<int64_t>(h, 1));
   for (int64_t start = 0; start < m; start += chunk) {
     const int64_t end = std::min(m, start + chunk);
     const at::Tensor row_lift = rows_lift.defined() ? rows_lift.slice(0, start, end).to(at::kFloat).contiguous()
@@ -96,7 +93,10 @@ Cells partition_cells(const at::Tensor& x, const at::Tensor& lift) {
   const at::Tensor hubs = hub_ids(n, x.options());
   const at::Tensor hubs_lift = lift.defined() ? lift.index_select(0, hubs) : at::Tensor();
   // The build's distances are l2 (lifted for inner product; cosine rows are unit length).
-  const at::Tensor nearest = nearest_hubs(x, x.index_select(0, hubs), 2, Metric::kL2, lift, hubs_lift);
+  // The scores' scratch is freed before the build allocates its pools; kept to 128 bytes a row
+  // (a sixth of the default pools), it never raises the build's peak above them.
+  const int64_t max_scores = std::clamp<int64_t>(n * 32, int64_t{1} << 20, kScoreBudget);
+  const at::Tensor nearest = nearest_hubs(x, x.index_select(0, hubs), 2, Metric::kL2, lift, hubs_lift, max_scores);
   const at::Tensor first = nearest.select(1, 0).contiguous();
   const at::Tensor sizes = at::bincount(first, {}, count);
   Cells cells;

@@ -41,8 +41,11 @@ at::Tensor hub_ids(int64_t n, const at::TensorOptions& options);
 // -<r, h> / |h| (rows already normalised). Lifted rows (inner product built on l2, params.h)
 // pass their extra coordinates in rows_lift [m] and hubs_lift [h], else undefined tensors.
 // Half-precision rows are multiplied on tensor cores with float32 results.
+// Scores are made for chunks of rows of at most max_scores floats.
+constexpr int64_t kScoreBudget = int64_t{1} << 26;  // 256 MiB
 at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t k, Metric metric,
-                        const at::Tensor& rows_lift = at::Tensor(), const at::Tensor& hubs_lift = at::Tensor());
+                        const at::Tensor& rows_lift = at::Tensor(), const at::Tensor& hubs_lift = at::Tensor(),
+                        int64_t max_scores = kScoreBudget);
 
 // On CUDA, nearest_hubs scores and selects in one kernel (csrc/cuda/hubs_cuda.cu) for k up to
 // this many hubs (the entry points of lists up to 128); beyond it at::topk selects.

@@ -411,9 +411,10 @@ __global__ void __launch_bounds__(kBlockThreads)
   for (int r = lane; r < degree; r += kWarpSize) row[r] = r < kept ? slot_id(s.slot[s.order[r]]) : -1;
 }
 
+// Runs the build; returns the pool buffer whose slots hold the graph (see the end).
 template <typename T, int TEAM>
-void run_build(const T* x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p, int32_t* graph,
-               const at::Tensor& changes, const at::Tensor& init, cudaStream_t stream) {
+int run_build(const T* x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p,
+              const at::Tensor& changes, const at::Tensor& init, cudaStream_t stream) {
   const int64_t n = pools.n;
   const unsigned blocks = static_cast<unsigned>(ceil_div(n, kWarpsPerBlock));
   const size_t shared = scratch_bytes(pools.capacity);
@@ -447,30 +448,31 @@ void run_build(const T* x, const DevicePools& pools, const BuildArgs& args, cons
     read ^= 1;
   };
   run_schedule(p, n, update, reverse);
-  finalise_kernel<<<blocks, kBlockThreads, shared, stream>>>(pools, read, p.degree, graph);
+  // The rows go into the spare buffer's slots, [N, R] int32 holding [N, degree] (degree <= R),
+  // so the graph needs no memory of its own while the pools are alive.
+  finalise_kernel<<<blocks, kBlockThreads, shared, stream>>>(
+      pools, read, p.degree, reinterpret_cast<int32_t*>(pools.slots + (read ^ 1) * buffer_slots));
   check_launch();
+  return read ^ 1;
 }
 
 template <typename T>
-void dispatch_team(const at::Tensor& x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p,
-                   int32_t* graph, const at::Tensor& changes, const at::Tensor& init, cudaStream_t stream) {
+int dispatch_team(const at::Tensor& x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p,
+                  const at::Tensor& changes, const at::Tensor& init, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, double>) {
     TORCH_CHECK(false, "build: float64 storage reached the CUDA kernel (prepare_vectors narrows it)");
+    return 0;
   } else {
     const T* base = x.data_ptr<T>();
     switch (team_for_row(x.size(1) * x.element_size())) {
       case 4:
-        run_build<T, 4>(base, pools, args, p, graph, changes, init, stream);
-        break;
+        return run_build<T, 4>(base, pools, args, p, changes, init, stream);
       case 8:
-        run_build<T, 8>(base, pools, args, p, graph, changes, init, stream);
-        break;
+        return run_build<T, 8>(base, pools, args, p, changes, init, stream);
       case 16:
-        run_build<T, 16>(base, pools, args, p, graph, changes, init, stream);
-        break;
+        return run_build<T, 16>(base, pools, args, p, changes, init, stream);
       default:
-        run_build<T, 32>(base, pools, args, p, graph, changes, init, stream);
-        break;
+        return run_build<T, 32>(base, pools, args, p, changes, init, stream);
     }
   }
 }
@@ -516,34 +518,33 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
   const at::Tensor lift = inner_product_lift(x, p.metric);
   // Everything the rounds use, allocated once before the first kernel (section 3.5: no
   // allocation in the loop): 2 x [N, R] slots and distances, 2 x [N] counts, [N] locks, [N]
-  // change counts, the [N, degree] graph; and the start's cells (12 bytes a row). Checked
-  // before the cells are made: finding them costs time in proportion to N x hubs.
+  // change counts; and the start's cells (12 bytes a row). The [N, degree] graph is written
+  // into the spare slots and copied out once the distances are freed, so it adds nothing to
+  // the peak. Checked before the cells are made: finding them costs time in proportion to N x hubs.
   const int64_t capacity = p.pool_size;
   const int64_t needed = 2 * n * capacity * static_cast<int64_t>(sizeof(uint32_t) + sizeof(float)) +
                          4 * n * static_cast<int64_t>(sizeof(int)) +
-                         n * p.degree * static_cast<int64_t>(sizeof(int32_t)) +
                          (p.start == Start::kHubs ? 3 * n * static_cast<int64_t>(sizeof(int32_t)) : 0);
   const int64_t available = free_device_bytes(data.device().index());
   TORCH_CHECK_WITH(OutOfMemoryError, needed <= available, "build: needs ", human_bytes(needed), " of GPU memory on ",
                    data.device(), " for its pools (2 x N x pool_size x 8 bytes with N = ", n, ", pool_size = ",
-                   capacity, ") and the graph, but only ", human_bytes(available),
+                   capacity, "), but only ", human_bytes(available),
                    " are free; lower pool_size or build on fewer rows at a time");
   // The cells' scratch (a chunk of scores) is freed before the pools are allocated.
   const Cells cells = p.start == Start::kHubs ? partition_cells(x, lift) : Cells{};
   const at::TensorOptions on_device = at::TensorOptions().device(data.device());
-  at::Tensor slots, dists, counts, locks, changes, graph;
+  at::Tensor slots, dists, counts, locks, changes;
   try {
     slots = at::empty({2, n, capacity}, on_device.dtype(at::kInt));
     dists = at::empty({2, n, capacity}, on_device.dtype(at::kFloat));
     counts = at::empty({2, n}, on_device.dtype(at::kInt));
     locks = at::zeros({n}, on_device.dtype(at::kInt));
     changes = at::zeros({n}, on_device.dtype(at::kInt));
-    graph = at::empty({n, p.degree}, on_device.dtype(at::kInt));
   } catch (const c10::OutOfMemoryError& e) {
     // The driver had room but the allocator refused (a per-process memory fraction, say): its
     // own message says how much it could still give.
     TORCH_CHECK_WITH(OutOfMemoryError, false, "build: needs ", human_bytes(needed), " of GPU memory on ", data.device(),
-                     " for its pools and graph (N = ", n, ", pool_size = ", capacity,
+                     " for its pools (N = ", n, ", pool_size = ", capacity,
                      "), which the allocator could not provide; lower pool_size or build on fewer rows at a time. ",
                      "The allocator: ", e.what_without_backtrace());
   }
@@ -563,10 +564,14 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
                        cell_view(cells),
                        changes.data_ptr<int>()};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index());
-  GRNND_DISPATCH_STORAGE(x.scalar_type(), "grnnd_build_cuda",
-                         [&] { dispatch_team<scalar_t>(x, pools, args, p, graph.data_ptr<int32_t>(), changes, init_entries, stream); });
-  // The pools are no longer needed; the repairs' own scratch is small.
-  slots = dists = at::Tensor();
+  int graph_buffer = 0;
+  GRNND_DISPATCH_STORAGE(x.scalar_type(), "grnnd_build_cuda", [&] {
+    graph_buffer = dispatch_team<scalar_t>(x, pools, args, p, changes, init_entries, stream);
+  });
+  // The distances go first, so the graph's copy takes their place rather than new memory.
+  dists = counts = locks = changes = at::Tensor();
+  at::Tensor graph = slots[graph_buffer].view(-1).narrow(0, 0, n * p.degree).view({n, p.degree}).clone();
+  slots = at::Tensor();
   graph = fill_rows_cuda(graph, x, lift, p.metric);
   connect_unreachable(graph, data, metric, x, lift);
   return graph;
