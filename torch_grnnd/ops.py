@@ -6,7 +6,7 @@ search settings and their defaults (the schema's, csrc/grnnd.cpp) are defined on
 params.py. Gradients of the returned distances are registered in autograd.py.
 """
 import logging
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -20,7 +20,8 @@ Metric = str  # "l2" (squared Euclidean) | "ip" (negative inner product) | "cosi
 
 
 def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric = "l2", progress: Progress = False,
-          init: Optional[Tensor] = None, **settings: Any) -> Tensor:
+          init: Optional[Tensor] = None, device: Optional[Union[str, torch.device]] = None,
+          max_gpu_memory: Optional[Union[int, str]] = None, **settings: Any) -> Tensor:
     """Build a GRNND graph (GPU-parallel Relative NN-Descent) over the rows of ``data``.
 
     Starting from ``S`` neighbours per vertex (most from the cells of its nearest hubs), outer
@@ -42,6 +43,13 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
             -1 padded), taken as already compared: the rounds then spend their distances on the
             pairs the S draws bring in. :func:`torch_grnnd.merge` starts from the two graphs it
             merges. At most ``pool_size - S`` columns are used.
+        device: build on this device rather than data's; the graph is returned where ``data``
+            is. Rows on the CPU (pinned, or a memory-mapped file) that do not fit the device
+            are built there in overlapping shards, copied in while the previous one builds,
+            and joined (:mod:`torch_grnnd.out_of_core`).
+        max_gpu_memory: the device memory such a build may use, bytes or a size like
+            ``"8GB"``; default: what is free on ``device``. Giving it without ``device`` builds
+            on data's device within it.
         **settings: any field of :class:`~torch_grnnd.BuildParams` (``degree=16``, ...),
             overriding ``params``.
 
@@ -56,6 +64,12 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
         (torch.Size([1000, 16]), torch.int32)
     """
     p = BuildParams.merge(params, **settings)
+    if device is not None or max_gpu_memory is not None:
+        if init is not None:
+            raise ValueError("build: init is not supported with device or max_gpu_memory (shards have no common rows)")
+        from .out_of_core import build_in_shards  # imports ops: a module-level import would be circular
+
+        return build_in_shards(data, p, metric, data.device if device is None else device, max_gpu_memory, progress)
 
     def run() -> Tensor:
         return torch.ops.grnnd.build.default(

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""A build from host rows within a GPU memory budget against the in-memory build, same run.
+
+    python benchmarks/bench_out_of_core.py --sets blobs:10000000x1024 --budget 8GB
+    python benchmarks/bench_out_of_core.py --sets blobs:2000000x128,zipf:2000000x384 --budget 1GB
+
+Clustered float16 rows as bench_scale.py makes them (blobs, zipf), moved to pinned host memory.
+For each set: the in-memory build (rows on the GPU), then `grnnd.build(host_rows,
+device="cuda", max_gpu_memory=budget)`, with the build time (wall clock, the copies in
+included), peak GPU memory beyond what was allocated before, peak host memory of the process
+(ru_maxrss), shards and shared rows, and recall@10 at list 64 of a GPU search of each graph against
+exact neighbours (grnnd.knn, 1 000 queries). Writes out_of_core_<gpu>.{json,md} under --out.
+"""
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch_grnnd as grnnd  # noqa: E402
+from torch_grnnd import out_of_core  # noqa: E402
+from benchmarks.bench_scale import make_set  # noqa: E402
+from benchmarks.report import machine, machine_line  # noqa: E402
+
+K, LIST = 10, 64
+
+
+def recall_of(graph, base, queries, truth) -> float:
+    found = grnnd.search(base, graph.cuda(), queries, K, list_size=LIST)[1]
+    return grnnd.recall(found, truth)
+
+
+def peak_host_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+
+
+def measure(family: str, n: int, d: int, budget: str) -> dict:
+    base, queries = make_set(family, n, d)
+    truth = grnnd.knn(base, queries, K)[1]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    whole = grnnd.build(base)
+    torch.cuda.synchronize()
+    whole_s = time.perf_counter() - start
+    whole_recall = recall_of(whole, base, queries, truth)
+    del whole
+    host = torch.empty(base.shape, dtype=base.dtype, pin_memory=True)
+    host.copy_(base)
+    del base
+    torch.cuda.empty_cache()
+    params = grnnd.BuildParams()
+    rows = out_of_core.parse_bytes(budget) // out_of_core.bytes_per_row(d, host.element_size(), params)
+    members, _, secondary, centres = out_of_core.plan_shards(host, rows, "l2", torch.device("cuda"), params.seed)
+    shards, shared = len(members), float((secondary >= 0).float().mean())
+    steps = []
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    graph = grnnd.build(host, device="cuda", max_gpu_memory=budget,
+                        progress=lambda done, total: steps.append((done, total, time.perf_counter() - start)))
+    sharded_s = time.perf_counter() - start
+    peak_gpu = torch.cuda.max_memory_allocated() - before
+    base = host.cuda()
+    del host
+    sharded_recall = recall_of(graph, base, queries, truth)
+    reached = float(grnnd.diagnostics.reachable(graph.cuda(), grnnd.diagnostics.hubs(base)).float().mean())
+    row = {"set": f"{family}:{n}x{d}", "budget": budget, "in_memory_s": whole_s, "in_memory_recall": whole_recall,
+           "out_of_core_s": sharded_s, "out_of_core_recall": sharded_recall, "ratio": sharded_s / whole_s,
+           "shards": shards, "shared_rows": shared, "centres": int(centres.numel()), "steps": steps,
+           "peak_gpu_bytes": peak_gpu, "peak_host_gib": peak_host_gib(), "reachable": reached,
+           "degree_min": int((graph >= 0).sum(1).min())}
+    print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
+    del base, graph
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sets", default="blobs:10000000x1024", help="family:NxD, comma separated")
+    p.add_argument("--budget", default="8GB")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    rows = []
+    for spec in args.sets.split(","):
+        family, shape = spec.split(":")
+        n, d = (int(v) for v in shape.split("x"))
+        rows.append(measure(family, n, d, args.budget))
+    name = torch.cuda.get_device_name().split()[1].lower()
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"out_of_core_{name}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"machine": machine(), "rows": rows}, f, indent=1)
+    lines = [f"# Out-of-core build against the in-memory build, {torch.cuda.get_device_name()}", "",
+             f"Machine: {machine_line()}. `python benchmarks/bench_out_of_core.py --sets {args.sets} "
+             f"--budget {args.budget}`; float16 clustered rows in pinned host memory; recall@10 at list {LIST} "
+             "(GPU search, 1 000 queries, exact neighbours from grnnd.knn).", "",
+             "| set | budget | in-memory s | recall | out-of-core s | ratio | recall | shards | shared rows | "
+             "peak GPU GiB | peak host GiB | reachable | min degree |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['set']} | {r['budget']} | {r['in_memory_s']:.2f} | {r['in_memory_recall']:.4f} | "
+                     f"{r['out_of_core_s']:.2f} | {r['ratio']:.2f}x | {r['out_of_core_recall']:.4f} | {r['shards']} | "
+                     f"{r['shared_rows']:.2f} | {r['peak_gpu_bytes'] / 2**30:.2f} | {r['peak_host_gib']:.1f} | "
+                     f"{r['reachable']:.6f} | {r['degree_min']} |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
