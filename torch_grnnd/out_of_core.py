@@ -42,8 +42,9 @@ CELLS_PER_SHARD = 32
 NEAREST_CELLS = 2
 # Shards are planned at this share of the rows that fit, leaving room for the rows they share.
 PRIMARY_SHARE = 0.5
-# Rows whose nearest cells are found in one pass over the device.
+# Rows whose nearest cells are found in one pass over the device, and their scores (256 MiB).
 ASSIGN_CHUNK_ROWS = 1 << 18
+ASSIGN_CHUNK_SCORES = 1 << 26
 # Rows joined per prune_rows call.
 JOIN_CHUNK_ROWS = 1 << 18
 
@@ -96,8 +97,9 @@ def _nearest_cells(data: Tensor, centres: Tensor, k: int, metric: str, device: t
     """int32 [N, k]: each row's k nearest centres (squared l2 on prepared rows), nearest first."""
     out = torch.empty(data.shape[0], k, dtype=torch.int32)
     centre_norms = centres.pow(2).sum(1)
-    for start in range(0, data.shape[0], ASSIGN_CHUNK_ROWS):
-        rows = _prepared(data[start:start + ASSIGN_CHUNK_ROWS].to(device, non_blocking=True), metric)
+    chunk = max(1, min(ASSIGN_CHUNK_ROWS, ASSIGN_CHUNK_SCORES // centres.shape[0]))
+    for start in range(0, data.shape[0], chunk):
+        rows = _prepared(data[start:start + chunk].to(device, non_blocking=True), metric)
         scores = torch.addmm(centre_norms, rows, centres.t(), alpha=-2)
         out[start:start + rows.shape[0]] = scores.topk(k, dim=1, largest=False).indices.int().cpu()
     return out
@@ -130,14 +132,14 @@ def plan_shards(data: Tensor, rows_per_shard: int, metric: str, device: torch.de
                 seed: int) -> Tuple[List[Tensor], Tensor, Tensor, Tensor]:
     """``(members, primary, secondary, centres)``: int64 sorted row ids of each shard; int64 [N]
     each row's own shard, and the second shard it also belongs to (-1 for none); int64 sorted
-    ids of the cells' centres (the search's hubs among them), which every shard holds."""
+    ids of the skeleton's rows, the cells' centres and the search's hubs, which every shard holds."""
     n = data.shape[0]
     generator = torch.Generator().manual_seed(seed)
     shards = max(2, math.ceil(n / (PRIMARY_SHARE * rows_per_shard)))
     sample = torch.randperm(n, generator=generator)[:min(n, shards * CELLS_PER_SHARD)]
     centre_ids = torch.cat([sample, torch.ops.grnnd.hub_ids(data[:, :1]).cpu()]).unique()
-    cells = centre_ids.numel()
-    centres = _prepared(data[centre_ids.to(data.device)].to(device), metric)
+    cells = sample.numel()
+    centres = _prepared(data[sample.to(data.device)].to(device), metric)
     nearest = _nearest_cells(data, centres, min(NEAREST_CELLS, cells), metric, device).long()
     shard_of = _group_cells(centres, torch.bincount(nearest[:, 0], minlength=cells), shards)
     shards_of_cells = shard_of[nearest]                                   # [N, NEAREST_CELLS]
@@ -152,7 +154,7 @@ def plan_shards(data: Tensor, rows_per_shard: int, metric: str, device: torch.de
     for s in range(int(shard_of.max()) + 1):
         own = ((primary == s) & ~is_centre).nonzero().flatten()
         shared = (secondary == s).nonzero().flatten()
-        room = max(rows_per_shard - own.numel() - cells, 0)
+        room = max(rows_per_shard - own.numel() - centre_ids.numel(), 0)
         if shared.numel() > room:  # the shard is full: the rows it cannot take keep one shard
             secondary[shared[room:]] = -1
             shared = shared[:room]
@@ -182,7 +184,6 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
     skeleton = torch.where(local >= 0, centre_ids.to(device)[local.clamp_min(0).long()], -1)
     report, close = _steps_reporter(progress)
     pairs = _shard_pairs(primary, secondary)
-    pinned = device.type == "cuda" and data.device.type == "cpu"
     graph = torch.full((n, params.degree), -1, dtype=torch.int32)
     shared_rows = (secondary >= 0).nonzero().flatten()
     slot = torch.full((n,), -1, dtype=torch.int64)
@@ -190,7 +191,7 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
     second_graph = torch.full((shared_rows.numel(), params.degree), -1, dtype=torch.int32)
     keys = [(s,) for s in range(len(members))] + pairs
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
-        loader = _ShardLoader(data, members, device, pinned, worker)
+        loader = _ShardLoader(data, members, keys, device, worker)
         try:
             for step, key in enumerate(keys):
                 rows = loader.get(key, then=keys[step + 1] if step + 1 < len(keys) else None)
@@ -245,26 +246,43 @@ def _shard_pairs(primary: Tensor, secondary: Tensor) -> List[Tuple[int, int]]:
 
 class _ShardLoader:
     """The rows of one shard, or of the two shards of a join, on the device; the next ones are
-    gathered (and pinned) by a worker thread while the device works on the current ones. Only
-    one set is held at a time, so a join needs no more memory than a shard's build."""
+    gathered by a worker thread while the device works on the current ones. From host rows
+    onto a GPU they are gathered into two pinned buffers in turn, so the copies run at full
+    speed and nothing is pinned anew each step. Only one set is held on the device at a time,
+    so a join needs no more memory than a shard's build."""
 
-    def __init__(self, data: Tensor, members: List[Tensor], device: torch.device, pinned: bool,
+    def __init__(self, data: Tensor, members: List[Tensor], keys: List[Tuple[int, ...]], device: torch.device,
                  worker: concurrent.futures.ThreadPoolExecutor):
-        self.data, self.members, self.device, self.pinned, self.worker = data, members, device, pinned, worker
+        self.data, self.members, self.device, self.worker = data, members, device, worker
         self.pending: Dict[Tuple[int, ...], concurrent.futures.Future] = {}
+        self.pinned = device.type == "cuda" and data.device.type == "cpu"
+        most = max(self.ids(key).numel() for key in keys)
+        self.buffers = [torch.empty(most, data.shape[1], dtype=data.dtype, pin_memory=True)
+                        for _ in range(2)] if self.pinned else []
+        self.copied: List[Optional[torch.cuda.Event]] = [None, None]
+        self.turn = 0
 
     def ids(self, key: Tuple[int, ...]) -> Tensor:
         return torch.cat([self.members[s] for s in key])
 
-    def _gather(self, key: Tuple[int, ...]) -> Tensor:
-        rows = self.data[self.ids(key).to(self.data.device)]
-        return rows.pin_memory() if self.pinned else rows
+    def _gather(self, key: Tuple[int, ...]) -> Tuple[int, Tensor]:
+        ids = self.ids(key).to(self.data.device)
+        if not self.pinned:
+            return -1, self.data[ids]
+        b, self.turn = self.turn, 1 - self.turn
+        if self.copied[b] is not None:
+            self.copied[b].synchronize()  # its last copy to the device has finished
+        return b, torch.index_select(self.data, 0, ids, out=self.buffers[b][:ids.numel()])
 
     def get(self, key: Tuple[int, ...], then: Optional[Tuple[int, ...]] = None) -> Tensor:
         """Rows of the shards in ``key`` (in that order, each shard's ascending), and starts
         gathering ``then``'s."""
         future = self.pending.pop(key, None) or self.worker.submit(self._gather, key)
-        rows = future.result().to(self.device, non_blocking=True)
+        b, rows = future.result()
+        rows = rows.to(self.device, non_blocking=True)
+        if b >= 0:
+            self.copied[b] = torch.cuda.Event()
+            self.copied[b].record()
         if then is not None and then not in self.pending:
             self.pending[then] = self.worker.submit(self._gather, then)
         return rows
