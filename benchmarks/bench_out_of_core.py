@@ -13,6 +13,7 @@ exact neighbours (grnnd.knn, 1 000 queries). Writes out_of_core_<gpu>.{json,md} 
 """
 import argparse
 import json
+import logging
 import os
 import resource
 import sys
@@ -87,18 +88,20 @@ def main():
     p.add_argument("--budget", default="8GB")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the stages' times
     rows = []
     for spec in args.sets.split(","):
         family, shape = spec.split(":")
         n, d = (int(v) for v in shape.split("x"))
         rows.append(measure(family, n, d, args.budget))
     name = torch.cuda.get_device_name().split()[1].lower()
+    m = machine(threads=torch.get_num_threads(), cuda=True)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"out_of_core_{name}")
     with open(stem + ".json", "w") as f:
-        json.dump({"machine": machine(threads=torch.get_num_threads(), cuda=True), "rows": rows}, f, indent=1)
+        json.dump({"machine": m, "rows": rows}, f, indent=1)
     lines = [f"# Out-of-core build against the in-memory build, {torch.cuda.get_device_name()}", "",
-             f"Machine: {machine_line()}. `python benchmarks/bench_out_of_core.py --sets {args.sets} "
+             f"Machine: {machine_line(m)}. `python benchmarks/bench_out_of_core.py --sets {args.sets} "
              f"--budget {args.budget}`; float16 clustered rows in pinned host memory; recall@10 at list {LIST} "
              "(GPU search, 1 000 queries, exact neighbours from grnnd.knn).", "",
              "| set | budget | in-memory s | recall | out-of-core s (plan + shards, joins) | ratio | recall | shards | "

@@ -19,8 +19,10 @@ The result is one graph over all rows, on the host (or wherever ``data`` is), se
 other: a graph of 100M rows is 12.8 GB of int32 at degree 32.
 """
 import concurrent.futures
+import logging
 import math
 import re
+import time
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -29,6 +31,8 @@ from torch import Tensor
 from . import editing, ops
 from .params import BuildParams
 from .progress import Progress, _default_reporter, _takes_changes
+
+logger = logging.getLogger(__name__)
 
 # Cells per shard: finer cells make shard borders follow the data more closely. Their centres
 # (with the search's hubs) also get a graph of their own, the skeleton: without it 13 shards of
@@ -177,7 +181,12 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
                          f"({bytes_per_row(dim, data.element_size(), params)} bytes a row); give it more")
     if n <= rows_per_shard:
         return ops.build(data.to(device), params, metric=metric, progress=progress).to(data.device)
+    started = time.perf_counter()
     members, primary, secondary, centre_ids = plan_shards(data, rows_per_shard, metric, device, params.seed)
+    logger.info("out-of-core build: %d shards of at most %d rows, %.0f%% of rows in two, planned in %.2f s",
+                len(members), rows_per_shard, 100 * float((secondary >= 0).float().mean()),
+                time.perf_counter() - started)
+    started = time.perf_counter()
     # The centres' own graph: long edges between regions that no shard holds both ends of.
     # Every shard holds the centres, so their rows join it from the shard that owns them.
     local = ops.build(data[centre_ids.to(data.device)].to(device), params, metric=metric)
@@ -192,6 +201,8 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
     keys = [(s,) for s in range(len(members))] + pairs
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
         loader = _ShardLoader(data, members, keys, device, worker)
+        logger.info("out-of-core build: skeleton of %d rows and staging buffers ready after %.2f s more",
+                    centre_ids.numel(), time.perf_counter() - started)
         try:
             for step, key in enumerate(keys):
                 rows = loader.get(key, then=keys[step + 1] if step + 1 < len(keys) else None)
