@@ -258,8 +258,8 @@ def _shard_pairs(primary: Tensor, secondary: Tensor) -> List[Tuple[int, int]]:
 class _ShardLoader:
     """The rows of one shard, or of the two shards of a join, on the device; the next ones are
     gathered by a worker thread while the device works on the current ones. From host rows
-    onto a GPU they are gathered into two pinned buffers in turn, so the copies run at full
-    speed and nothing is pinned anew each step. Only one set is held on the device at a time,
+    onto a GPU they are gathered into one pinned buffer, so the copies run at full speed and
+    nothing is pinned anew each step. Only one set is held on the device at a time,
     so a join needs no more memory than a shard's build."""
 
     def __init__(self, data: Tensor, members: List[Tensor], keys: List[Tuple[int, ...]], device: torch.device,
@@ -268,32 +268,29 @@ class _ShardLoader:
         self.pending: Dict[Tuple[int, ...], concurrent.futures.Future] = {}
         self.pinned = device.type == "cuda" and data.device.type == "cpu"
         most = max(self.ids(key).numel() for key in keys)
-        self.buffers = [torch.empty(most, data.shape[1], dtype=data.dtype, pin_memory=True)
-                        for _ in range(2)] if self.pinned else []
-        self.copied: List[Optional[torch.cuda.Event]] = [None, None]
-        self.turn = 0
+        # One buffer: pinning takes seconds per GiB, and the next gather may wait for a copy.
+        self.buffer = torch.empty(most, data.shape[1], dtype=data.dtype, pin_memory=True) if self.pinned else None
+        self.copied: Optional[torch.cuda.Event] = None
 
     def ids(self, key: Tuple[int, ...]) -> Tensor:
         return torch.cat([self.members[s] for s in key])
 
-    def _gather(self, key: Tuple[int, ...]) -> Tuple[int, Tensor]:
+    def _gather(self, key: Tuple[int, ...]) -> Tensor:
         ids = self.ids(key).to(self.data.device)
         if not self.pinned:
-            return -1, self.data[ids]
-        b, self.turn = self.turn, 1 - self.turn
-        if self.copied[b] is not None:
-            self.copied[b].synchronize()  # its last copy to the device has finished
-        return b, torch.index_select(self.data, 0, ids, out=self.buffers[b][:ids.numel()])
+            return self.data[ids]
+        if self.copied is not None:
+            self.copied.synchronize()  # the buffer's last copy to the device has finished
+        return torch.index_select(self.data, 0, ids, out=self.buffer[:ids.numel()])
 
     def get(self, key: Tuple[int, ...], then: Optional[Tuple[int, ...]] = None) -> Tensor:
         """Rows of the shards in ``key`` (in that order, each shard's ascending), and starts
         gathering ``then``'s."""
         future = self.pending.pop(key, None) or self.worker.submit(self._gather, key)
-        b, rows = future.result()
-        rows = rows.to(self.device, non_blocking=True)
-        if b >= 0:
-            self.copied[b] = torch.cuda.Event()
-            self.copied[b].record()
+        rows = future.result().to(self.device, non_blocking=True)
+        if self.pinned:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
         if then is not None and then not in self.pending:
             self.pending[then] = self.worker.submit(self._gather, then)
         return rows
