@@ -33,6 +33,11 @@ def prune_rows(data: Tensor, metric: str, vertices: Tensor, candidates: Tensor, 
                                               fixed=fixed)
 
 
+def relabel(entries: Tensor, table: Tensor) -> Tensor:
+    """Graph entries (-1 padded) mapped through ``table`` (new id of each old id); -1 stays."""
+    return torch.where(entries >= 0, table[entries.clamp_min(0).long()].to(entries.dtype), entries)
+
+
 def _packed(candidates: Tensor) -> Tensor:
     """The ids (>= 0) of each row first, cut to as many columns as the fullest row needs."""
     if candidates.numel() == 0:
@@ -77,7 +82,7 @@ def consolidate(data: Tensor, metric: str, graph: Tensor, removed: Tensor) -> Tu
     renumber = torch.full((n,), -1, dtype=torch.int32, device=graph.device)
     renumber[kept_rows] = torch.arange(kept_rows.numel(), dtype=torch.int32, device=graph.device)
     out = new_graph[kept_rows]
-    out = torch.where(out >= 0, renumber[out.clamp_min(0).long()], out)
+    out = relabel(out, renumber)
     # Entries of unaffected rows are live, so none turns -1 here; keep padding at the end anyway.
     out = out.gather(1, torch.argsort((out < 0).to(torch.int8), dim=1, stable=True))
     return kept_rows, out

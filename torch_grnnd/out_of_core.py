@@ -190,9 +190,9 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
     # The centres' own graph: long edges between regions that no shard holds both ends of.
     # Every shard holds the centres, so their rows join it from the shard that owns them.
     local = ops.build(data[centre_ids.to(data.device)].to(device), params, metric=metric)
-    skeleton = torch.where(local >= 0, centre_ids.to(device)[local.clamp_min(0).long()], -1)
+    skeleton = editing.relabel(local.long(), centre_ids.to(device))
     report, close = _steps_reporter(progress)
-    pairs = _shard_pairs(primary, secondary)
+    pairs, shared_of = _shard_pairs(primary, secondary)
     graph = torch.full((n, params.degree), -1, dtype=torch.int32)
     shared_rows = (secondary >= 0).nonzero().flatten()
     slot = torch.full((n,), -1, dtype=torch.int64)
@@ -211,9 +211,7 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
                     _build_shard(rows, ids, key[0], primary, secondary, centre_ids, skeleton, graph, second_graph,
                                  slot, params, metric)
                 else:
-                    p, q = key
-                    shared = (((primary == p) & (secondary == q)) | ((primary == q) & (secondary == p))).nonzero()
-                    shared = shared.flatten()
+                    shared = shared_of[key]
                     graph[shared] = _join(rows, ids, shared, graph, second_graph, slot, n, params, metric)
                 del rows
                 report(step + 1, len(keys))
@@ -228,8 +226,7 @@ def _build_shard(rows: Tensor, ids: Tensor, s: int, primary: Tensor, secondary: 
                  metric: str) -> None:
     """Builds shard s (``rows`` on the device, global ids ``ids`` ascending) and stores its rows:
     in ``graph`` for the rows it owns, in ``second_graph`` for those it shares as their second."""
-    local = ops.build(rows, params, metric=metric)
-    built = torch.where(local >= 0, ids[local.clamp_min(0).long()].int(), local)
+    built = editing.relabel(ops.build(rows, params, metric=metric), ids)
     # The centres this shard owns: their row here joined with their skeleton row.
     centres_here = centre_ids.to(ids.device)
     owned = centres_here[primary[centre_ids].to(ids.device) == s]
@@ -237,7 +234,7 @@ def _build_shard(rows: Tensor, ids: Tensor, s: int, primary: Tensor, secondary: 
     candidates = torch.cat([built[at].long(), skeleton[torch.searchsorted(centres_here, owned)]], 1)
     candidates = torch.where(candidates >= 0, torch.searchsorted(ids, candidates.clamp_min(0)), -1)
     pruned = editing.prune_rows(rows, metric, at, candidates, params.degree)
-    built[at] = torch.where(pruned >= 0, ids[pruned.clamp_min(0).long()].int(), pruned)
+    built[at] = editing.relabel(pruned, ids)
     built, members = built.cpu(), ids.cpu()
     own = primary[members] == s
     graph[members[own]] = built[own]
@@ -245,14 +242,17 @@ def _build_shard(rows: Tensor, ids: Tensor, s: int, primary: Tensor, secondary: 
     second_graph[slot[members[shared_here]]] = built[shared_here]
 
 
-def _shard_pairs(primary: Tensor, secondary: Tensor) -> List[Tuple[int, int]]:
-    """The unordered pairs of shards that share rows, (p, q) with p < q, grouped by p."""
-    both = secondary >= 0
-    low = torch.minimum(primary[both], secondary[both])
-    high = torch.maximum(primary[both], secondary[both])
-    keys = torch.unique(low * (int(primary.max()) + 1) + high)
+def _shard_pairs(primary: Tensor, secondary: Tensor) -> Tuple[List[Tuple[int, int]], Dict[Tuple[int, int], Tensor]]:
+    """The unordered pairs of shards that share rows, (p, q) with p < q in increasing order, and
+    the rows each pair shares (int64, ascending)."""
+    shared = (secondary >= 0).nonzero().flatten()
+    low = torch.minimum(primary[shared], secondary[shared])
+    high = torch.maximum(primary[shared], secondary[shared])
     span = int(primary.max()) + 1
-    return [(int(k) // span, int(k) % span) for k in keys]
+    keys, order = torch.sort(low * span + high, stable=True)
+    values, counts = torch.unique_consecutive(keys, return_counts=True)
+    pairs = [(int(k) // span, int(k) % span) for k in values]
+    return pairs, dict(zip(pairs, shared[order].split(counts.tolist())))
 
 
 class _ShardLoader:
@@ -312,7 +312,7 @@ def _join(rows: Tensor, ids: Tensor, shared: Tensor, graph: Tensor, second_graph
     for start in range(0, shared.numel(), JOIN_CHUNK_ROWS):
         part = shared[start:start + JOIN_CHUNK_ROWS]
         candidates = torch.cat([graph[part], second_graph[slot[part]]], dim=1).to(device).long()
-        candidates = torch.where(candidates >= 0, local_of[candidates.clamp_min(0)].long(), -1)
+        candidates = editing.relabel(candidates, local_of)
         pruned = editing.prune_rows(rows, metric, local_of[part.to(device)].long(), candidates, params.degree)
-        out[start:start + part.numel()] = torch.where(pruned >= 0, ids[pruned.clamp_min(0).long()].int(), pruned).cpu()
+        out[start:start + part.numel()] = editing.relabel(pruned, ids).cpu()
     return out
