@@ -3,6 +3,7 @@
 #include "params.h"
 #include "prune.h"
 
+#include <cmath>
 #include <cstdint>
 #include <deque>
 #include <limits>
@@ -199,6 +200,19 @@ void check_knn_segments_inputs(const at::Tensor& x, const at::Tensor& y, const a
   check_same_device(x, "x", ptr_x, "ptr_x");
   check_same_device(x, "x", batch_y, "batch_y");
   TORCH_CHECK_VALUE(k >= 1, "k: expected >= 1, got ", k);
+}
+
+EdgeFilter check_segment_edges_inputs(const at::Tensor& dists, const at::Tensor& ids,
+                                      const c10::optional<double>& max_distance, bool drop_self) {
+  TORCH_CHECK_TYPE(dists.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong,
+                   "dists, ids: expected float32 and int64 (knn_segments' results), got ", dists.scalar_type(),
+                   " and ", ids.scalar_type());
+  TORCH_CHECK_VALUE(ids.dim() == 2 && dists.sizes() == ids.sizes(),
+                    "dists, ids: expected two tensors of one shape [queries, k], got ", dists.sizes(), " and ",
+                    ids.sizes());
+  check_same_device(ids, "ids", dists, "dists");
+  TORCH_CHECK_VALUE(!max_distance.has_value() || !std::isnan(*max_distance), "max_distance: expected a number, got nan");
+  return EdgeFilter{static_cast<float>(max_distance.value_or(0.0)), max_distance.has_value(), drop_self};
 }
 
 void check_prune_inputs(const at::Tensor& data, const at::Tensor& vertices, const at::Tensor& candidates,

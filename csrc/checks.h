@@ -51,6 +51,11 @@ void check_knn_inputs(const at::Tensor& data, const at::Tensor& queries, int64_t
 // and batch_y [ny], all on one device. Values are not read: the kernels clamp them (segments.h).
 void check_knn_segments_inputs(const at::Tensor& x, const at::Tensor& y, const at::Tensor& ptr_x,
                                const at::Tensor& batch_y, int64_t k);
+
+// segment_edges' inputs: knn_segments' (dists, ids), float32 and int64 [queries, k] on one
+// device. Returns the filter they ask for.
+EdgeFilter check_segment_edges_inputs(const at::Tensor& dists, const at::Tensor& ids,
+                                      const c10::optional<double>& max_distance, bool drop_self);
 // prune_rows (prune.h): data [n, D], int64 vertices [m] in [0, n) (read where contents are
 // readable), int32/int64 candidates [m, c] with c <= kMaxPruneCandidates (any values: those
 // outside [0, n) are no candidates), 1 <= degree <= kMaxPoolSize.

@@ -39,15 +39,22 @@ C10_HOST_DEVICE inline void insert_nearest(float* best_d, int64_t* best_i, int64
   best_i[p] = row;
 }
 
-// The CPU kernels' distance: (q - r)^2 summed in dimension order, rounded as the CUDA kernels'
-// add_square rounds it (knn_segments_cuda.cu, knn_grid_cuda.cu).
-inline float ordered_squared_l2(const float* q, const float* r, int64_t dim) {
-  float d = 0.f;
-  for (int64_t j = 0; j < dim; ++j) {
-    const float diff = q[j] - r[j];
-    d += diff * diff;
+// Which entries of knn_segments' results [queries, k] become edges (the segment_edges op): a
+// found row (id >= 0), nearer than max_distance when there is one (radius), and not the query's
+// own row when drop_self (a graph of x with itself, without loops).
+struct EdgeFilter {
+  float max_distance;
+  bool has_max_distance, drop_self;
+
+  C10_HOST_DEVICE bool keep(int64_t query, int64_t id, float dist) const {
+    return id >= 0 && (!has_max_distance || dist < max_distance) && !(drop_self && id == query);
   }
-  return d;
-}
+};
+
+// The CPU kernels' distance: (q - r)^2 summed in dimension order, each square added in one
+// fused multiply-add, as the CUDA kernels' add_square rounds it (vectors_cuda.cuh). Defined in
+// segments.cpp, where x86 builds get a clone for CPUs with FMA instructions (the baseline
+// build has none, and std::fma without them is a library call per dimension).
+float ordered_squared_l2(const float* q, const float* r, int64_t dim);
 
 }  // namespace grnnd

@@ -100,14 +100,18 @@ def segments(g: torch.Generator):
     x = torch.randn(batch.numel(), 3, generator=g, device="cuda")
     for k in (16, 40):
         torch.ops.grnnd.knn_segments(x, x, ptr_x, batch, k)
-    # Clouds of 512 to 4096 points an example: a warp per query.
+    # Clouds of 512 to 4096 points an example, with many ties (queued candidates, csrc/cuda/knn_segments_cuda.cu).
     sizes = torch.tensor([1500, 0, 7, 2048, 900], device="cuda")
     ptr_x = torch.cat([torch.zeros(1, dtype=torch.long, device="cuda"), sizes.cumsum(0)])
-    x = torch.randn(int(sizes.sum()), 3, generator=g, device="cuda")
+    x = torch.randint(0, 4, (int(sizes.sum()), 3), generator=g, device="cuda").float()
     y = torch.randn(700, 3, generator=g, device="cuda")
     for k in (1, 21, 32):
-        torch.ops.grnnd.knn_segments(x, y, ptr_x, torch.randint(-1, 6, (700,), generator=g, device="cuda"), k,
-                                     method="scan")
+        dists, ids = torch.ops.grnnd.knn_segments(x, y, ptr_x, torch.randint(-1, 6, (700,), generator=g, device="cuda"),
+                                                  k, method="scan")
+        # The edges of those results, every filter (csrc/cuda/segment_edges_cuda.cu).
+        torch.ops.grnnd.segment_edges(dists, ids)
+        torch.ops.grnnd.segment_edges(dists, ids, max_distance=1.0, drop_self=True, neighbour_first=True)
+    torch.ops.grnnd.segment_edges(torch.rand(50, 40, device="cuda"), torch.randint(-1, 50, (50, 40), device="cuda"))
     flat = torch.randn(50_000, 3, generator=g, device="cuda")
     flat[:, 2] = 0.5  # a plane: one cell along z
     ends = torch.tensor([0, 20_000, 50_000], device="cuda")

@@ -29,6 +29,8 @@ GRAPH = grnnd.build(DATA, degree=8, pool_size=16, initial_degree=8)
         (torch.ops.grnnd.knn_graph.default, (DATA, 4), dict(exact=True)),
         (torch.ops.grnnd.knn_segments.default, (DATA, QUERIES, torch.tensor([0, 25, 60]),
                                                 torch.tensor([0, 0, 1, 1, 1, 0, 1]), 5), dict()),
+        (torch.ops.grnnd.segment_edges.default, (torch.rand(7, 4), torch.randint(-1, 7, (7, 4))),
+         dict(max_distance=0.5, drop_self=True, neighbour_first=True)),
     ],
 )
 def test_opcheck(op, args, kwargs):

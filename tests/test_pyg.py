@@ -248,16 +248,76 @@ def test_knn_graph_transform_on_a_pyg_data_object():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("k", [1, 16, 21, 32])
-def test_knn_segments_warp_per_query_equals_cpu_bit_for_bit(k):
-    # Point clouds of 512 to 4096 points an example on average take a warp per query on the GPU
-    # (knn_segments_cuda.cu); an empty example, one smaller than k, ties and queries of no
-    # example are among them.
+def test_knn_segments_point_clouds_equal_cpu_bit_for_bit(k):
+    # Point clouds of 512 to 4096 points an example, the sizes of PyG's batches: an empty
+    # example, one smaller than k, ties and queries of no example are among them.
     g = torch.Generator().manual_seed(k)
     sizes = torch.tensor([1500, 0, 7, 2048, 900, 1200])
     ptr_x = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
     x = torch.randint(0, 6, (int(sizes.sum()), 3), generator=g).float()  # many exact ties
     y = torch.randn(3000, 3, generator=g) * 2 + 2
     batch_y = torch.randint(-1, 7, (3000,), generator=g)
+    cpu = torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y, k, method="scan")
+    gpu = torch.ops.grnnd.knn_segments(x.cuda(), y.cuda(), ptr_x.cuda(), batch_y.cuda(), k, method="scan")
+    assert torch.equal(cpu[1], gpu[1].cpu()) and torch.equal(cpu[0], gpu[0].cpu())
+
+
+def reference_edges(dists, ids, max_distance=None, drop_self=False, neighbour_first=False):
+    """segment_edges composed from torch ops: mask, nonzero, gather."""
+    keep = ids >= 0
+    if max_distance is not None:
+        keep &= dists < max_distance
+    if drop_self:
+        keep &= ids != torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+    at = keep.nonzero()
+    edges = torch.stack([at[:, 0], ids[at[:, 0], at[:, 1]]])
+    return edges.flip(0) if neighbour_first else edges
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("max_distance", [None, 0.5, 0.0])
+@pytest.mark.parametrize("drop_self", [False, True])
+@pytest.mark.parametrize("neighbour_first", [False, True])
+def test_segment_edges_equals_mask_and_nonzero(device, max_distance, drop_self, neighbour_first):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(-1, 40, (3000, 9), generator=g)
+    ids[::7, 0] = torch.arange(0, 3000, 7)  # queries whose own row is among their ids
+    dists = torch.rand(3000, 9, generator=g)
+    dists[ids < 0] = float("inf")
+    got = torch.ops.grnnd.segment_edges(dists.to(device), ids.to(device), max_distance=max_distance,
+                                        drop_self=drop_self, neighbour_first=neighbour_first)
+    want = reference_edges(dists, ids, max_distance, drop_self, neighbour_first)
+    assert got.dtype == torch.long and got.device.type == device
+    assert torch.equal(got.cpu(), want) and (want.shape[1] > 0) == (max_distance != 0.0)
+    empty = torch.ops.grnnd.segment_edges(dists[:0].to(device), ids[:0].to(device))
+    assert empty.shape == (2, 0)
+
+
+def test_segment_edges_bad_input():
+    dists, ids = torch.rand(4, 3), torch.zeros(4, 3, dtype=torch.long)
+    with pytest.raises(TypeError, match="expected float32 and int64"):
+        torch.ops.grnnd.segment_edges(dists, ids.int())
+    with pytest.raises(ValueError, match="one shape"):
+        torch.ops.grnnd.segment_edges(dists[:3], ids)
+    with pytest.raises(ValueError, match="max_distance: expected a number"):
+        torch.ops.grnnd.segment_edges(dists, ids, max_distance=float("nan"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dim", [8, 64])
+@pytest.mark.parametrize("k", [1, 7, 21, 32])
+@pytest.mark.parametrize("queries", [3000, 300_000])
+def test_knn_segments_queued_candidates_keep_the_tie_rule(dim, k, queries):
+    # Candidates wait in a queue before they are inserted (knn_segments_cuda.cu), checked against
+    # a k-th best that may have improved since. Integer coordinates make many exact ties, which
+    # must still go to the lower row, as the CPU breaks them; few and many queries per block.
+    g = torch.Generator().manual_seed(dim + k)
+    sizes = torch.tensor([300, 0, 5, 1000, 77, 512]) // (1 if queries < 100_000 else 10)  # CPU time
+    ptr_x = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+    x = torch.randint(0, 3, (int(sizes.sum()), dim), generator=g).float()
+    y = torch.randint(0, 3, (queries, dim), generator=g).float()
+    batch_y = torch.randint(-1, 7, (queries,), generator=g).sort().values
     cpu = torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y, k, method="scan")
     gpu = torch.ops.grnnd.knn_segments(x.cuda(), y.cuda(), ptr_x.cuda(), batch_y.cuda(), k, method="scan")
     assert torch.equal(cpu[1], gpu[1].cpu()) and torch.equal(cpu[0], gpu[0].cpu())

@@ -200,6 +200,11 @@ def _knn_segments_fake(x, y, ptr_x, batch_y, k, method="auto"):
     return _query_outputs(x, y, k)
 
 
+@torch.library.register_fake("grnnd::segment_edges")
+def _segment_edges_fake(dists, ids, **_):
+    return ids.new_empty((2, torch.library.get_ctx().new_dynamic_size()))
+
+
 @torch.library.register_fake("grnnd::prune_rows")
 def _prune_rows_fake(data, vertices, candidates, degree, **_):
     return data.new_empty((vertices.shape[0], degree), dtype=torch.int32)

@@ -58,8 +58,8 @@ def knn(x: Tensor, y: Tensor, k: int, batch_x: Optional[Tensor] = None, batch_y:
         approximate: bool = False, return_distances: bool = False) -> EdgeIndex:
     """For each row of ``y``, its ``k`` nearest rows of ``x`` in the same example: ``[2, E]``,
     row 0 indexing ``y``, row 1 indexing ``x``. See the module docstring for the semantics."""
-    x, y, ids = _knn_ids(x, y, k, batch_x, batch_y, cosine, batch_size, approximate)
-    edge_index = _empty_edges(x) if ids is None else _found_edges(ids, ids >= 0)
+    x, y, found = _knn_found(x, y, k, batch_x, batch_y, cosine, batch_size, approximate)
+    edge_index = _empty_edges(x) if found is None else torch.ops.grnnd.segment_edges.default(*found)
     return _edges(x, y, edge_index, cosine, return_distances)
 
 
@@ -70,8 +70,9 @@ def knn_graph(x: Tensor, k: int, batch: Optional[Tensor] = None, loop: bool = Fa
     """The k-NN graph of the rows of ``x``, each example on its own: ``[2, E]``. With
     ``flow="source_to_target"`` row 0 holds the neighbour and row 1 the point."""
     _check_flow(flow)
-    x, _, ids = _knn_ids(x, x, k if loop else k + 1, batch, batch, cosine, batch_size, approximate)
-    edge_index = _empty_edges(x) if ids is None else _found_edges(ids, _keep_self(ids, ids >= 0, loop))
+    x, _, found = _knn_found(x, x, k if loop else k + 1, batch, batch, cosine, batch_size, approximate)
+    edge_index = _empty_edges(x) if found is None else torch.ops.grnnd.segment_edges.default(
+        *found, drop_self=not loop, neighbour_first=flow == "source_to_target")
     return _edges(x, x, edge_index, cosine, return_distances, flow)
 
 
@@ -80,8 +81,9 @@ def radius(x: Tensor, y: Tensor, r: float, batch_x: Optional[Tensor] = None, bat
            return_distances: bool = False) -> EdgeIndex:
     """For each row of ``y``, the rows of ``x`` of its example within distance ``r`` (at most
     ``max_num_neighbors``, the nearest): ``[2, E]``, row 0 indexing ``y``, row 1 ``x``."""
-    x, y, ids, within = _within(x, y, r, batch_x, batch_y, max_num_neighbors, batch_size)
-    edge_index = _empty_edges(x) if ids is None else _found_edges(ids, within)
+    x, y, found = _within(x, y, r, batch_x, batch_y, max_num_neighbors, batch_size)
+    edge_index = _empty_edges(x) if found is None else torch.ops.grnnd.segment_edges.default(
+        *found, max_distance=r * r)
     return _edges(x, y, edge_index, False, return_distances)
 
 
@@ -90,9 +92,9 @@ def radius_graph(x: Tensor, r: float, batch: Optional[Tensor] = None, loop: bool
                  batch_size: Optional[int] = None, *, return_distances: bool = False) -> EdgeIndex:
     """The graph linking the rows of ``x`` closer than ``r``, each example on its own: ``[2, E]``."""
     _check_flow(flow)
-    x, _, ids, within = _within(x, x, r, batch, batch, max_num_neighbors if loop else max_num_neighbors + 1,
-                                batch_size)
-    edge_index = _empty_edges(x) if ids is None else _found_edges(ids, _keep_self(ids, within, loop))
+    x, _, found = _within(x, x, r, batch, batch, max_num_neighbors if loop else max_num_neighbors + 1, batch_size)
+    edge_index = _empty_edges(x) if found is None else torch.ops.grnnd.segment_edges.default(
+        *found, max_distance=r * r, drop_self=not loop, neighbour_first=flow == "source_to_target")
     return _edges(x, x, edge_index, False, return_distances, flow)
 
 
@@ -155,10 +157,11 @@ def _as_points(t: Tensor, name: str) -> Tensor:
     return t
 
 
-def _knn_ids(x: Tensor, y: Tensor, k: int, batch_x: Optional[Tensor], batch_y: Optional[Tensor], cosine: bool,
-             batch_size: Optional[int], approximate: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """``x`` and ``y`` as points, and the ids [len(y), k] of each query's nearest rows of its
-    example (-1 where it has fewer), or None when either set has no rows."""
+def _knn_found(x: Tensor, y: Tensor, k: int, batch_x: Optional[Tensor], batch_y: Optional[Tensor], cosine: bool,
+               batch_size: Optional[int], approximate: bool
+               ) -> Tuple[Tensor, Tensor, Optional[Tuple[Tensor, Tensor]]]:
+    """``x`` and ``y`` as points, and the (distances, ids) [len(y), k] of each query's nearest rows
+    of its example (-1 where it has fewer), or None when either set has no rows."""
     if k < 1:
         raise ValueError(f"k: expected >= 1, got {k}")
     x, y, segments = _segments(x, y, batch_x, batch_y, batch_size)
@@ -167,29 +170,23 @@ def _knn_ids(x: Tensor, y: Tensor, k: int, batch_x: Optional[Tensor], batch_y: O
     xs, ys = _search_space(x, cosine), _search_space(y, cosine)
     if approximate:
         return x, y, _approximate(xs, ys, *segments, k)
-    return x, y, torch.ops.grnnd.knn_segments.default(xs, ys, *segments, k)[1]
+    return x, y, torch.ops.grnnd.knn_segments.default(xs, ys, *segments, k)
 
 
 def _within(x: Tensor, y: Tensor, r: float, batch_x: Optional[Tensor], batch_y: Optional[Tensor],
             max_num_neighbors: int, batch_size: Optional[int]
-            ) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """``x`` and ``y`` as points, the ids [len(y), max_num_neighbors] of each query's nearest rows
-    of its example, and which of them lie within ``r``; None, None when either set has no rows."""
+            ) -> Tuple[Tensor, Tensor, Optional[Tuple[Tensor, Tensor]]]:
+    """``x`` and ``y`` as points, and the (squared distances, ids) [len(y), max_num_neighbors] of
+    each query's nearest rows of its example; None when either set has no rows."""
     if not r >= 0:
         raise ValueError(f"r: expected >= 0, got {r}")
     if max_num_neighbors < 1:
         raise ValueError(f"max_num_neighbors: expected >= 1, got {max_num_neighbors}")
     x, y, segments = _segments(x, y, batch_x, batch_y, batch_size)
     if segments is None:
-        return x, y, None, None
-    dists, ids = torch.ops.grnnd.knn_segments.default(_search_space(x, False), _search_space(y, False), *segments,
+        return x, y, None
+    return x, y, torch.ops.grnnd.knn_segments.default(_search_space(x, False), _search_space(y, False), *segments,
                                                       max_num_neighbors)
-    return x, y, ids, (ids >= 0) & (dists < r * r)
-
-
-def _keep_self(ids: Tensor, found: Tensor, loop: bool) -> Tensor:
-    """``found`` without each query's own row (queries are the rows of x), unless ``loop``."""
-    return found if loop else found & (ids != torch.arange(ids.shape[0], device=ids.device).unsqueeze(1))
 
 
 def _check_flow(flow: str) -> None:
@@ -239,8 +236,10 @@ def _search_space(points: Tensor, cosine: bool) -> Tensor:
     return points.contiguous()
 
 
-def _approximate(xs: Tensor, ys: Tensor, ptr_x: Tensor, batch_y: Tensor, k: int) -> Tensor:
-    """knn_segments' ids [len(y), k] from a GRNND graph of each example (one after another)."""
+def _approximate(xs: Tensor, ys: Tensor, ptr_x: Tensor, batch_y: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """knn_segments' (distances, ids) [len(y), k] from a GRNND graph of each example (one after
+    another)."""
+    dists = torch.full((ys.shape[0], k), float("inf"), device=ys.device)
     ids = torch.full((ys.shape[0], k), -1, dtype=torch.long, device=ys.device)
     bounds = ptr_x.tolist()
     for b in range(len(bounds) - 1):
@@ -250,24 +249,16 @@ def _approximate(xs: Tensor, ys: Tensor, ptr_x: Tensor, batch_y: Tensor, k: int)
             continue
         rows = xs[start:end]
         take = min(k, end - start)
-        _, found = ops.search(rows, ops.build(rows), ys[queries], take, list_size=max(64, take))
+        found_dists, found = ops.search(rows, ops.build(rows), ys[queries], take, list_size=max(64, take))
+        dists[queries, :take] = found_dists
         ids[queries, :take] = torch.where(found >= 0, found + start, found)
-    return ids
-
-
-def _found_edges(ids: Tensor, found: Tensor) -> Tensor:
-    """[2, E]: (query, row) for every entry of ids [len(y), k] that ``found`` marks, in row-major
-    order (one host synchronisation: the number of edges)."""
-    at = found.nonzero()
-    return torch.stack([at[:, 0], ids[at[:, 0], at[:, 1]]])
+    return dists, ids
 
 
 def _edges(x: Tensor, y: Tensor, edge_index: Tensor, cosine: bool, return_distances: bool,
            flow: str = "target_to_source") -> EdgeIndex:
-    """(query, row) edges as returned: for a graph with flow="source_to_target" the row comes
-    first; with return_distances, each edge's distance too."""
-    if flow == "source_to_target":
-        edge_index = edge_index.flip(0)
+    """The edges as returned (for a graph with flow="source_to_target" the row comes first, else
+    the query); with return_distances, each edge's distance too."""
     if not return_distances:
         return edge_index
     query, row = (edge_index[1], edge_index[0]) if flow == "source_to_target" else (edge_index[0], edge_index[1])

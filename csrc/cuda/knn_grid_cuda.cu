@@ -16,12 +16,6 @@ namespace {
 
 constexpr int kGridQueries = 128;  // threads per block
 
-// The CPU's per-dimension step, d += (q - r)^2, rounded the same way (no contraction to an FMA).
-__device__ __forceinline__ float grid_add_square(float d, float q, float r) {
-  const float diff = __fsub_rn(q, r);
-  return __fadd_rn(d, __fmul_rn(diff, diff));
-}
-
 // (distance, row) order. An empty slot is (+inf, -1): every finite distance goes before it, and
 // an infinite one never does, as in the scan, which only keeps what is nearer than its k-th.
 __device__ __forceinline__ bool key_before(float da, int32_t ia, float db, int32_t ib) {
@@ -93,7 +87,7 @@ __global__ void __launch_bounds__(kGridQueries) knn_grid_kernel(GridQueries a) {
     for (int64_t s = first; s < last; ++s) {
       const float* r = g.sorted + s * a.dim;
       float d = 0.0f;
-      for (int j = 0; j < a.dim; ++j) d = grid_add_square(d, q[j], __ldg(r + j));
+      for (int j = 0; j < a.dim; ++j) d = add_square(d, q[j], __ldg(r + j));
       best.insert(d, static_cast<int32_t>(__ldg(g.rows + s)));
     }
   };

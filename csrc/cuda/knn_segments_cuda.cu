@@ -12,15 +12,26 @@
 // by an unrolled insertion that never indexes a register array at run time); for larger k, in
 // the query's output row, as the CPU keeps them. Both insert a candidate behind those at an
 // equal distance, and candidates arrive in row order, so ties go to the lower row. Distances add
-// the squared differences in dimension order without fused multiply-adds, the CPU kernel's exact
-// arithmetic: both kernels return the same neighbours and bit for bit the same distances.
+// the squared differences in dimension order, each in one fused multiply-add (add_square), the
+// CPU kernel's exact arithmetic: both kernels return the same neighbours and bit for bit the
+// same distances.
 //
-// Measured on an H100 (benchmarks/bench_pyg.py): the kernel takes 0.41 ms for 32 clouds x 1024
-// points, d = 3, k = 20, at about 10% occupancy (1 024 warps in all); point clouds of 512 to
-// 4096 points per example go to a warp per query instead (knn_segments_warp_kernel). Four
-// threads per query, each taking a quarter of the rows and merging lists at the end, made it
-// slower (1.48 ms against 0.85 ms for the whole knn_graph call): with 1 024 candidates a query's
-// time goes to insertions, and four lists take four times as many.
+// Candidates that beat a query's k-th best wait in a short queue in shared memory and are
+// inserted when some thread of the warp has filled its queue. Inserting each accepted candidate
+// at once meant a warp ran the insertion at almost every row: late in a scan each thread
+// accepts few rows, but one of 32 threads nearly always does, and the insertion (some 150
+// instructions for 24 slots) then cost most of a d = 64 distance. The queue holds candidates
+// checked against a k-th best that may since have improved; the insertion checks again.
+//
+// Measured on an H100, 32 clouds x 1024 points, k = 21, the op alone: d = 64 0.61 ms before the
+// queue, 0.50 ms with it; d = 3 0.38 ms before, 0.21 ms with it, which also beat the warp per
+// query (lanes scanning 32 rows at once) that point clouds of 512 to 4096 points used to take
+// (0.14 / 0.21 / 0.33 / 0.54 ms against 0.16 / 0.23 / 0.34 / 0.56 ms at 512 / 1024 / 2048 / 4096
+// points an example), so that kernel is gone. Splitting a query's rows over 2 or 4 threads (more
+// warps, lists merged at the end) made d = 8 to 128 slower (d = 64: 0.74 and 1.14 ms against
+// 0.61 ms; measured before the queue and the fused add, not since). ncu of the d = 64 kernel
+// with the queue: 163 registers a thread, 1.9 warps a scheduler, 0.64 instructions issued a
+// cycle; rows of 8 at a time instead of 4 changed nothing (0.50 ms).
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -41,12 +52,7 @@ constexpr int kTileRows = 32;  // candidate rows per shared-memory tile
 constexpr int kRowGroup = 4;   // rows whose distances are computed before any is inserted
 constexpr int kWideChunk = 64;  // dimensions per pass of the widest variant
 constexpr int kMaxRegisterK = 32;
-
-// The CPU's per-dimension step, d += (q - r)^2, rounded the same way (no contraction to an FMA).
-__device__ __forceinline__ float add_square(float d, float q, float r) {
-  const float diff = __fsub_rn(q, r);
-  return __fadd_rn(d, __fmul_rn(diff, diff));
-}
+constexpr int kQueue = 16;  // queued candidates per query; flushed before a row group can overflow it
 
 // The best K (distance, row) pairs seen so far, ascending, in registers.
 template <int K>
@@ -129,8 +135,8 @@ struct SegmentArgs {
   const int64_t* batch;  // [ny]
   int64_t nx, ny, examples;
   int dim, k;
-  float* out_d;    // [ny, k], +inf filled
-  int64_t* out_i;  // [ny, k], -1 filled
+  float* out_d;    // [ny, k]; +inf filled for RowBest
+  int64_t* out_i;  // [ny, k]; -1 filled for RowBest
 };
 
 // kDimChunk: dimensions staged per pass (a multiple of 4); the query's share of them sits in
@@ -144,6 +150,8 @@ __global__ void __launch_bounds__(kQueries) knn_segments_kernel(SegmentArgs a) {
   constexpr bool kPasses = kDimChunk == kWideChunk;
   __shared__ float4 tile[kTileRows][kDimChunk / 4];
   __shared__ float partial[kPasses ? kTileRows : 1][kQueries];
+  __shared__ float queue_d[kQueue][kQueries];
+  __shared__ int32_t queue_i[kQueue][kQueries];
   __shared__ unsigned long long s_begin, s_end;
   const int64_t query = static_cast<int64_t>(blockIdx.x) * kQueries + threadIdx.x;
   const SegmentRange own =
@@ -159,8 +167,10 @@ __global__ void __launch_bounds__(kQueries) knn_segments_kernel(SegmentArgs a) {
     atomicMax(&s_end, static_cast<unsigned long long>(own.end));
   }
   __syncthreads();
-  if (s_begin >= s_end) return;  // no thread of the block has a candidate (block-uniform)
-  const int64_t begin = static_cast<int64_t>(s_begin), end = static_cast<int64_t>(s_end);
+  // No thread of the block has a candidate (block-uniform): the loop below does not run, and
+  // every query stores an empty list.
+  const bool any_rows = s_begin < s_end;
+  const int64_t begin = any_rows ? static_cast<int64_t>(s_begin) : 0, end = any_rows ? static_cast<int64_t>(s_end) : 0;
 
   Best best;
   if constexpr (std::is_same_v<Best, RowBest>) {
@@ -178,6 +188,11 @@ __global__ void __launch_bounds__(kQueries) knn_segments_kernel(SegmentArgs a) {
     for (int j = 0; j < kDimChunk; ++j) q[j] = j0 + j < a.dim ? q_row[j0 + j] : 0.0f;
   };
   if (one_pass) load_query(0);
+  int queued = 0;
+  auto flush = [&]() {
+    for (int c = 0; c < queued; ++c) best.insert(queue_d[c][threadIdx.x], queue_i[c][threadIdx.x]);
+    queued = 0;
+  };
 
   float* staged = reinterpret_cast<float*>(tile);
   for (int64_t t0 = begin; t0 < end; t0 += kTileRows) {
@@ -213,78 +228,22 @@ __global__ void __launch_bounds__(kQueries) knn_segments_kernel(SegmentArgs a) {
           for (int g = 0; g < kRowGroup; ++g) partial[kPasses ? r0 + g : 0][threadIdx.x] = d[g];
           continue;
         }
-        // Most candidates lose to the current k-th best: the insertion runs only where some lane
-        // of the warp accepts (a vote, so a branch, not an insertion predicated on every row).
+        // Most candidates lose to the current k-th best; the rest are queued, in row order.
 #pragma unroll
         for (int g = 0; g < kRowGroup; ++g) {
           const int64_t row = t0 + r0 + g;
-          const bool accept = row >= own.begin && row < own.end && d[g] < best.worst();
-          if (__any_sync(kFullMask, accept)) {
-            if (accept) best.insert(d[g], static_cast<int32_t>(row));
+          if (row >= own.begin && row < own.end && d[g] < best.worst()) {
+            queue_d[queued][threadIdx.x] = d[g];
+            queue_i[queued][threadIdx.x] = static_cast<int32_t>(row);
+            ++queued;
           }
         }
+        if (__any_sync(kFullMask, queued > kQueue - kRowGroup)) flush();
       }
     }
   }
+  flush();
   if (query < a.ny) best.store(a.out_d + query * a.k, a.out_i + query * a.k, a.k);
-}
-
-// A warp per query, for k <= 32. Lane j computes the distance of row base + j, 32 rows at a time
-// in row order; the warp's best k sit one per lane (lane j the j-th), and the rows nearer than
-// the k-th are inserted lowest lane first: the scan's order and its tie rule (after the entries
-// at an equal distance), so the results are those of the CPU kernel, bit for bit. 32 times as
-// many threads share a batch as with a thread per query, and a row that does not beat the k-th
-// costs one comparison in a lane instead of a serial step. Each lane reads its rows from global
-// memory, so wide rows lose the tiles' sharing. Measured on an H100 (benchmarks/bench_pyg.py,
-// d = 3, the op alone, against the tiled kernel above): 32 x 1024 points, k = 21: 0.283 ms
-// against 0.378; 64 x 512, k = 17: 0.173 against 0.237; 128 x 256: 0.132 against 0.128;
-// 256 x 128: 0.105 against 0.085; 8 x 16 384: 6.77 against 6.02 ms; and d = 64, 32 x 1024:
-// 9.0 against 0.61 ms. Hence kWarpRows.
-constexpr int kWarpQueriesPerBlock = 8;
-struct WarpRows {
-  int64_t min_per_example, max_per_example;
-  int max_dim;
-};
-constexpr WarpRows kWarpRows{512, 4096, 4};
-
-__global__ void __launch_bounds__(kWarpQueriesPerBlock * kWarpSize) knn_segments_warp_kernel(SegmentArgs a) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int64_t query = static_cast<int64_t>(blockIdx.x) * kWarpQueriesPerBlock + threadIdx.x / kWarpSize;
-  if (query >= a.ny) return;  // warp-uniform
-  const SegmentRange rows = segment_range(a.ptr, a.examples, a.nx, a.batch[query]);
-  const float* q = a.y + query * a.dim;
-  float best_d = std::numeric_limits<float>::infinity();
-  int64_t best_i = -1;
-  float kth = std::numeric_limits<float>::infinity();
-  for (int64_t base = rows.begin; base < rows.end; base += kWarpSize) {
-    const int64_t row = base + lane;
-    float d = std::numeric_limits<float>::infinity();
-    if (row < rows.end) {
-      const float* r = a.x + row * a.dim;
-      d = 0.0f;
-      for (int j = 0; j < a.dim; ++j) d = add_square(d, __ldg(q + j), __ldg(r + j));
-    }
-    for (unsigned accept = __ballot_sync(kFullMask, d < kth); accept != 0; accept &= accept - 1) {
-      const int src = __ffs(accept) - 1;
-      const float dd = __shfl_sync(kFullMask, d, src);
-      if (!(dd < kth)) continue;  // the k-th moved past it (kth is warp-uniform)
-      const int at = __popc(__ballot_sync(kFullMask, lane < a.k && best_d <= dd));
-      const float up_d = __shfl_up_sync(kFullMask, best_d, 1);
-      const int64_t up_i = __shfl_up_sync(kFullMask, best_i, 1);
-      if (lane > at && lane < a.k) {
-        best_d = up_d;
-        best_i = up_i;
-      } else if (lane == at) {
-        best_d = dd;
-        best_i = base + src;
-      }
-      kth = __shfl_sync(kFullMask, best_d, a.k - 1);
-    }
-  }
-  if (lane < a.k) {
-    a.out_d[query * a.k + lane] = best_d;
-    a.out_i[query * a.k + lane] = best_i;
-  }
 }
 
 template <int kDimChunk>
@@ -313,14 +272,19 @@ std::tuple<at::Tensor, at::Tensor> knn_segments_cuda(const at::Tensor& x, const 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   const at::Tensor xs = x.contiguous(), ys = y.contiguous();
   const at::Tensor ptr = ptr_x.contiguous(), batch = batch_y.contiguous();
-  at::Tensor out_d = at::full({ys.size(0), k}, std::numeric_limits<float>::infinity(), ys.options());
-  at::Tensor out_i = at::full({ys.size(0), k}, -1, ys.options().dtype(at::kLong));
-  if (ys.size(0) == 0 || xs.size(0) == 0) return {out_d, out_i};
-  if (use_grid(std::string(method), xs, ptr, k)) {
+  if (ys.size(0) > 0 && xs.size(0) > 0 && use_grid(std::string(method), xs, ptr, k)) {
     const Grid grid = make_grid(xs, ptr);
     if (grid.valid) return knn_grid_cuda(grid, ys, batch, ptr.size(0) - 1, k);
     TORCH_CHECK_VALUE(method != "grid", "knn_segments: method=\"grid\" needs ascending ptr_x");
   }
+  // The register lists store all k slots of every query, padding included; a list kept in the
+  // output row (k > kMaxRegisterK) starts from the padding. Two fills fewer on the common path.
+  const bool kernel_fills = k <= kMaxRegisterK && ys.size(0) > 0 && xs.size(0) > 0;
+  at::Tensor out_d = kernel_fills ? at::empty({ys.size(0), k}, ys.options())
+                                  : at::full({ys.size(0), k}, std::numeric_limits<float>::infinity(), ys.options());
+  at::Tensor out_i = kernel_fills ? at::empty({ys.size(0), k}, ys.options().dtype(at::kLong))
+                                  : at::full({ys.size(0), k}, -1, ys.options().dtype(at::kLong));
+  if (ys.size(0) == 0 || xs.size(0) == 0) return {out_d, out_i};
 
   SegmentArgs args;
   args.x = xs.data_ptr<float>();
@@ -334,14 +298,6 @@ std::tuple<at::Tensor, at::Tensor> knn_segments_cuda(const at::Tensor& x, const 
   args.k = static_cast<int>(k);
   args.out_d = out_d.data_ptr<float>();
   args.out_i = out_i.data_ptr<int64_t>();
-  const int64_t per_example = args.nx / std::max<int64_t>(1, args.examples);
-  if (k <= kWarpSize && args.dim <= kWarpRows.max_dim && per_example >= kWarpRows.min_per_example &&
-      per_example <= kWarpRows.max_per_example) {
-    const unsigned blocks = static_cast<unsigned>(ceil_div(args.ny, kWarpQueriesPerBlock));
-    knn_segments_warp_kernel<<<blocks, kWarpQueriesPerBlock * kWarpSize, 0, stream>>>(args);
-    check_launch();
-    return {out_d, out_i};
-  }
   // Point clouds (3 to 6 coordinates), small features, and wide features in passes of 64.
   if (args.dim <= 4) {
     launch_for_k<4>(args, stream);
