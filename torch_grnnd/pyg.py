@@ -5,7 +5,8 @@
 same arguments in the same order with the same defaults, and the same edges. Examples are
 batched as PyG batches them (a sorted ``batch`` vector); every example of a batch is searched in
 one call of ``torch.ops.grnnd.knn_segments`` (one kernel launch on a GPU), exactly, each query
-among the rows of its own example only. Passing ``batch_size`` (the number of examples) spares
+among the rows of its own example only, and the edges come out of one call of
+``torch.ops.grnnd.segment_edges``. Passing ``batch_size`` (the number of examples) spares
 the host synchronisation that reading it from ``batch`` costs. Points of up to three coordinates
 in examples of a few hundred points or more are found through a uniform grid (the cells around
 each query, ring after ring, until no unvisited cell can hold a nearer point; ``csrc/grid.h``):
