@@ -60,7 +60,7 @@ def knn(x: Tensor, y: Tensor, k: int, batch_x: Optional[Tensor] = None, batch_y:
     """For each row of ``y``, its ``k`` nearest rows of ``x`` in the same example: ``[2, E]``,
     row 0 indexing ``y``, row 1 indexing ``x``. See the module docstring for the semantics."""
     x, y, found = _knn_found(x, y, k, batch_x, batch_y, cosine, batch_size, approximate)
-    edge_index = _empty_edges(x) if found is None else torch.ops.grnnd.segment_edges.default(*found)
+    edge_index = _edge_index(x, found)
     return _edges(x, y, edge_index, cosine, return_distances)
 
 
@@ -72,8 +72,7 @@ def knn_graph(x: Tensor, k: int, batch: Optional[Tensor] = None, loop: bool = Fa
     ``flow="source_to_target"`` row 0 holds the neighbour and row 1 the point."""
     _check_flow(flow)
     x, _, found = _knn_found(x, x, k if loop else k + 1, batch, batch, cosine, batch_size, approximate)
-    edge_index = _empty_edges(x) if found is None else torch.ops.grnnd.segment_edges.default(
-        *found, drop_self=not loop, neighbour_first=flow == "source_to_target")
+    edge_index = _edge_index(x, found, drop_self=not loop, neighbour_first=flow == "source_to_target")
     return _edges(x, x, edge_index, cosine, return_distances, flow)
 
 
@@ -83,8 +82,7 @@ def radius(x: Tensor, y: Tensor, r: float, batch_x: Optional[Tensor] = None, bat
     """For each row of ``y``, the rows of ``x`` of its example within distance ``r`` (at most
     ``max_num_neighbors``, the nearest): ``[2, E]``, row 0 indexing ``y``, row 1 ``x``."""
     x, y, found = _within(x, y, r, batch_x, batch_y, max_num_neighbors, batch_size)
-    edge_index = _empty_edges(x) if found is None else torch.ops.grnnd.segment_edges.default(
-        *found, max_distance=r * r)
+    edge_index = _edge_index(x, found, max_distance=r * r)
     return _edges(x, y, edge_index, False, return_distances)
 
 
@@ -94,8 +92,8 @@ def radius_graph(x: Tensor, r: float, batch: Optional[Tensor] = None, loop: bool
     """The graph linking the rows of ``x`` closer than ``r``, each example on its own: ``[2, E]``."""
     _check_flow(flow)
     x, _, found = _within(x, x, r, batch, batch, max_num_neighbors if loop else max_num_neighbors + 1, batch_size)
-    edge_index = _empty_edges(x) if found is None else torch.ops.grnnd.segment_edges.default(
-        *found, max_distance=r * r, drop_self=not loop, neighbour_first=flow == "source_to_target")
+    edge_index = _edge_index(x, found, max_distance=r * r, drop_self=not loop,
+                             neighbour_first=flow == "source_to_target")
     return _edges(x, x, edge_index, False, return_distances, flow)
 
 
@@ -195,8 +193,12 @@ def _check_flow(flow: str) -> None:
         raise ValueError(f'flow: expected "source_to_target" or "target_to_source", got {flow!r}')
 
 
-def _empty_edges(x: Tensor) -> Tensor:
-    return torch.empty(2, 0, dtype=torch.long, device=x.device)
+def _edge_index(x: Tensor, found: Optional[Tuple[Tensor, Tensor]], **edge_filter) -> Tensor:
+    """segment_edges of knn_segments' (distances, ids), with its filter; an empty [2, 0] when
+    there were no rows to search."""
+    if found is None:
+        return torch.empty(2, 0, dtype=torch.long, device=x.device)
+    return torch.ops.grnnd.segment_edges.default(*found, **edge_filter)
 
 
 def _segments(x: Tensor, y: Tensor, batch_x: Optional[Tensor], batch_y: Optional[Tensor],
