@@ -23,15 +23,16 @@
 // instructions for 24 slots) then cost most of a d = 64 distance. The queue holds candidates
 // checked against a k-th best that may since have improved; the insertion checks again.
 //
-// Measured on an H100, 32 clouds x 1024 points, k = 21, the op alone: d = 64 0.61 ms before the
-// queue, 0.50 ms with it; d = 3 0.38 ms before, 0.21 ms with it, which also beat the warp per
-// query (lanes scanning 32 rows at once) that point clouds of 512 to 4096 points used to take
-// (0.14 / 0.21 / 0.33 / 0.54 ms against 0.16 / 0.23 / 0.34 / 0.56 ms at 512 / 1024 / 2048 / 4096
-// points an example), so that kernel is gone. Splitting a query's rows over 2 or 4 threads (more
-// warps, lists merged at the end) made d = 8 to 128 slower (d = 64: 0.74 and 1.14 ms against
-// 0.61 ms; measured before the queue and the fused add, not since). ncu of the d = 64 kernel
-// with the queue: 163 registers a thread, 1.9 warps a scheduler, 0.64 instructions issued a
-// cycle; rows of 8 at a time instead of 4 changed nothing (0.50 ms).
+// Measured on an H100, 32 clouds x 1024 points, k = 21, the op alone (benchmarks/profile_pyg.py):
+// d = 64 0.61 ms before the queue, 0.50 ms with it, 0.43 ms with the fused add as well; d = 3
+// 0.28 ms (then a warp-per-query kernel) -> 0.21 ms. One-off timings of the op (not a
+// script in benchmarks/): the queued scan also beat that warp per query (lanes scanning 32 rows
+// at once) at 512 to 4096 points an example (0.14 / 0.21 / 0.33 / 0.54 ms against 0.16 / 0.23 /
+// 0.34 / 0.56 ms at 512 / 1024 / 2048 / 4096), so that kernel is gone; splitting a query's rows
+// over 2 or 4 threads (lists merged at the end) made d = 8 to 128 slower (d = 64: 0.74 and 1.14
+// ms against 0.61 ms, before the queue and the fused add); with the queue, rows in groups of 8,
+// blocks of 32 or 128 queries and queues of 8 or 32 were no faster. ncu of the d = 64 kernel
+// with the queue: 163 registers a thread, 1.9 warps a scheduler, 0.64 instructions issued a cycle.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
