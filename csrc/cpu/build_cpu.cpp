@@ -66,8 +66,10 @@ class Pools {
     uint32_t* slot = slots_[buf].data() + v * capacity_;
     float* dist_of = dists_[buf].data() + v * capacity_;
     int& count = counts_[buf][v];
-    bool present = false, changed = false;
-    for (int i = 0; i < count && !present; ++i) present = slot_id(slot[i]) == id;
+    // One pass over the whole pool without an early exit, which the compiler vectorises.
+    uint32_t present = 0;
+    for (int i = 0; i < count; ++i) present |= (slot[i] & ~kNewBit) == static_cast<uint32_t>(id);
+    bool changed = false;
     if (!present) {
       const uint32_t packed = static_cast<uint32_t>(id) | (is_new ? kNewBit : 0u);
       if (count < capacity_) {
@@ -76,8 +78,11 @@ class Pools {
         ++count;
         changed = true;
       } else {
-        const int far = static_cast<int>(std::max_element(dist_of, dist_of + capacity_) - dist_of);
-        if (dist < dist_of[far]) {
+        // The largest distance first (a vectorised pass), then where it is.
+        float largest = dist_of[0];
+        for (int i = 1; i < capacity_; ++i) largest = dist_of[i] > largest ? dist_of[i] : largest;
+        if (dist < largest) {
+          const int far = static_cast<int>(std::find(dist_of, dist_of + capacity_, largest) - dist_of);
           slot[far] = packed;
           dist_of[far] = dist;
           changed = true;
