@@ -13,8 +13,10 @@ Data families, made on the GPU in float16, with 1000 held-out queries drawn the 
 For each set and build configuration (build settings as "name=value,..."; "" = the defaults):
 build time (CUDA events), rounds run and the pool entries each changed, the out-degree
 summary, the share of rows a search cannot reach from the hubs (breadth-first search), and
-recall@10 against exact results (torch_grnnd.knn) at list 32, 64 and 128, with the default
-entry points and with random ones only (hub_entries=0). Writes scale_<name>.{json,md}.
+recall@10 against exact results (torch_grnnd.knn) and queries/s (batch 10 000) at list 32, 64
+and 128, with the default entry points and with random ones only (hub_entries=0), and the peak
+GPU memory of the build beyond the data. Writes scale_<name>.{json,md,png} (the PNG: recall at
+list 64 against N, with faiss HNSW where --hnsw asked for it).
 """
 import argparse
 import json
@@ -28,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
 from benchmarks.bench_gpu import cuda_time, parse_build  # noqa: E402
 from benchmarks.report import machine, machine_line  # noqa: E402
+from torch_grnnd.params import BuildParams  # noqa: E402
 
 LISTS = (32, 64, 128)
 QUERIES = 1000
@@ -56,23 +59,33 @@ def make_set(family: str, n: int, d: int, seed: int = 0, chunk: int = 1 << 20):
 
 def measure(base, queries, truth, settings: dict) -> dict:
     rounds = []
-    graph, secs = cuda_time(lambda: grnnd.build(base, progress=lambda done, total, changes: rounds.append(changes),
-                                                **settings))
-    # Progress costs a synchronisation per round; time the build again without it.
+    _, secs = cuda_time(lambda: grnnd.build(base, progress=lambda done, total, changes: rounds.append(changes),
+                                            **settings))
+    del _
+    # Progress costs a synchronisation per round; time the build again without it, and take the
+    # peak GPU memory it needs beyond the data (issue bound: 2 * N * pool_size * 8 bytes + 10%).
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     graph, secs = cuda_time(lambda: grnnd.build(base, **settings))
+    peak = torch.cuda.max_memory_allocated() - before
+    pool_size = settings.get("pool_size", BuildParams().pool_size)
     hubs = grnnd.diagnostics.hubs(base)
     unreachable = float((~grnnd.diagnostics.reachable(graph, hubs)).double().mean()) if hubs.numel() else None
     row = {"build": settings, "build_s": secs, "rounds": len(rounds), "changes": rounds,
-           "degree": grnnd.diagnostics.degree_summary(graph), "unreachable_from_hubs": unreachable}
+           "peak_extra_bytes": peak, "pool_bound_bytes": 1.1 * 2 * base.shape[0] * pool_size * 8,
+           "degree": grnnd.diagnostics.degree_summary(graph),
+           "degree_histogram": torch.bincount((graph >= 0).sum(1)).tolist(), "unreachable_from_hubs": unreachable}
+    # Recall on the held-out queries; queries/s on a batch of 10 000 (the queries ten times over).
+    batch = queries.repeat(10, 1)
     for entries, key in ((-1, "recall"), (0, "recall_random_entries")):
-        row[key] = {}
+        row[key], row[key + "_qps"] = {}, {}
         for size in LISTS:
             _, ids = grnnd.search(base, graph, queries, 10, list_size=size, hub_entries=entries)
             row[key][size] = grnnd.recall(ids, truth, 10)
-        # Throughput at list 64 on a batch of 10 000 (the queries ten times over).
-        batch = queries.repeat(10, 1)
-        _, secs = cuda_time(lambda: grnnd.search(base, graph, batch, 10, list_size=64, hub_entries=entries), repeat=5)
-        row[key + "_qps_list64"] = batch.shape[0] / secs
+            _, secs = cuda_time(lambda: grnnd.search(base, graph, batch, 10, list_size=size, hub_entries=entries),
+                                repeat=5)
+            row[key + "_qps"][size] = batch.shape[0] / secs
     del graph
     torch.cuda.empty_cache()
     return row
@@ -101,9 +114,11 @@ def describe(settings: dict) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sets", default="blobs:1000000x384,blobs:4000000x384,zipf:1000000x384,zipf:4000000x384,"
-                                     "blobs:10000000x128,blobs:10000000x1024")
-    p.add_argument("--builds", nargs="+", default=["", "start=random,delta=0,outer_iters=3,inner_iters=6"],
+    p.add_argument("--sets", default=",".join(f"{family}:{n}x{d}" for family in ("blobs", "zipf")
+                                              for n in (100_000, 1_000_000, 4_000_000, 10_000_000)
+                                              for d in (128, 384, 1024)),
+                   help="family:NxD,... (default: the grid of the scale issue, both families)")
+    p.add_argument("--builds", nargs="+", default=[""],
                    help="build settings per configuration; '' = the defaults")
     p.add_argument("--hnsw", default="", help="comma-separated sets (as in --sets) that also get a faiss HNSW reference")
     p.add_argument("--name", default="gpu")
@@ -121,10 +136,13 @@ def main():
             row = {"family": family, "n": n, "d": d, **measure(base, queries, truth, settings)}
             rows.append(row)
             print(f"{family} {n:>10,} x {d:<5} {describe(settings):<50} build {row['build_s']:7.3f} s, "
-                  f"{row['rounds']:2d} rounds, degree min {row['degree']['min']} mean {row['degree']['mean']:.1f}, "
+                  f"{row['rounds']:2d} rounds, peak extra {row['peak_extra_bytes'] / 2**20:,.0f} MiB "
+                  f"(bound {row['pool_bound_bytes'] / 2**20:,.0f}), "
+                  f"degree min {row['degree']['min']} mean {row['degree']['mean']:.1f}, "
                   f"unreachable {row['unreachable_from_hubs']}, recall@10 list 32/64/128 "
                   + "/".join(f"{row['recall'][s]:.3f}" for s in LISTS) + " (random entries "
-                  + "/".join(f"{row['recall_random_entries'][s]:.3f}" for s in LISTS) + ")", flush=True)
+                  + "/".join(f"{row['recall_random_entries'][s]:.3f}" for s in LISTS) + "), queries/s list 64 "
+                  f"{row['recall_qps'][64]:,.0f}", flush=True)
         if spec in args.hnsw.split(","):
             ref = hnsw_reference(base, queries, truth)
             rows.append({"family": family, "n": n, "d": d, "hnsw": ref})
@@ -133,11 +151,11 @@ def main():
                   + "/".join(f"{v:.3f}" for v in ref["recall"].values()), flush=True)
         del base, queries, truth
         torch.cuda.empty_cache()
-    write(rows, args)
+        write(rows, args)  # after every set, so a run cut short keeps what it measured
 
 
 def write(rows, args):
-    results = {"title": "Build quality from 1M to 10M rows", "machine": machine(threads=torch.get_num_threads(), cuda=True),
+    results = {"title": "Build quality from 100k to 10M rows", "machine": machine(threads=torch.get_num_threads(), cuda=True),
                "rows": rows}
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"scale_{args.name}")
@@ -145,26 +163,64 @@ def write(rows, args):
         json.dump(results, f, indent=1)
     lines = [f"# {results['title']}", "", f"Machine: {machine_line(results['machine'])}.", "",
              "float16 rows, L2, 1000 held-out queries, recall@10 against exact results (`grnnd.knn`); "
-             "hub / random: the default entry points / random entry points only.", "",
-             "| data | N | D | build | s | rounds | degree min / p1 / mean | unreachable | "
-             "recall list 32 / 64 / 128 (hub entries) | (random entries) |",
-             "|---|---:|---:|---|---:|---:|---|---:|---|---|"]
+             "hub / random: the default entry points / random entry points only; queries/s on a batch of "
+             "10 000 with the default entry points; peak: GPU memory the build needs beyond the data, against "
+             "2 N R 8 bytes + 10%. Degree histograms in the JSON.", "",
+             "| data | N | D | build | s | rounds | peak / bound MiB | degree min / p1 / mean | unreachable | "
+             "recall list 32 / 64 / 128 (hub entries) | queries/s list 32 / 64 / 128 | (random entries) |",
+             "|---|---:|---:|---|---:|---:|---|---|---:|---|---|---|"]
     for r in rows:
         if "hnsw" in r:
             h = r["hnsw"]
             lines.append(f"| {r['family']} | {r['n']:,} | {r['d']} | faiss-cpu HNSW M=32 efC=40 ({h['threads']} threads) | "
-                         f"{h['build_s']:.1f} | | | | " + " / ".join(f"{v:.3f}" for v in h["recall"].values())
-                         + " (efSearch 32 / 64 / 128) | |")
+                         f"{h['build_s']:.1f} | | | | | " + " / ".join(f"{v:.3f}" for v in h["recall"].values())
+                         + " (efSearch 32 / 64 / 128) | | |")
             continue
         deg = r["degree"]
         unreachable = "-" if r["unreachable_from_hubs"] is None else f"{r['unreachable_from_hubs']:.2e}"
         lines.append(f"| {r['family']} | {r['n']:,} | {r['d']} | {describe(r['build'])} | {r['build_s']:.2f} | "
-                     f"{r['rounds']} | {deg['min']} / {deg['p1']:.0f} / {deg['mean']:.1f} | {unreachable} | "
+                     f"{r['rounds']} | {r['peak_extra_bytes'] / 2**20:,.0f} / {r['pool_bound_bytes'] / 2**20:,.0f} | "
+                     f"{deg['min']} / {deg['p1']:.0f} / {deg['mean']:.1f} | {unreachable} | "
                      + " / ".join(f"{r['recall'][s]:.3f}" for s in LISTS) + " | "
+                     + " / ".join(f"{r['recall_qps'][s] / 1e6:.2f}M" for s in LISTS) + " | "
                      + " / ".join(f"{r['recall_random_entries'][s]:.3f}" for s in LISTS) + " |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("wrote", base + ".json", base + ".md")
+    plot(results, base + ".png")
+    print("wrote", base + ".json", base + ".md", base + ".png")
+
+
+def plot(results: dict, path: str):
+    """Recall@10 at list 64 against N, a line per family and width for each build configuration,
+    faiss HNSW at efSearch 64 as crosses of the same colour."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    lines, colours = {}, {}
+    for r in results["rows"]:
+        key = (r["family"], r["d"])
+        colours.setdefault(key, f"C{len(colours) % 10}")
+        if "hnsw" in r:
+            ax.plot([r["n"]], [r["hnsw"]["recall"][64]], "x", ms=8, color=colours[key])
+        else:
+            lines.setdefault(key + (describe(r["build"]),), []).append((r["n"], r["recall"][64]))
+    for (family, d, build), points in lines.items():
+        points.sort()
+        ax.plot(*zip(*points), marker="o", ms=4, color=colours[(family, d)],
+                linestyle="-" if build == "defaults" else "--", label=f"{family} d={d} ({build})")
+    ax.plot([], [], "x", color="0.3", label="faiss-cpu HNSW M=32 efC=40, efSearch 64")
+    ax.axhline(0.95, color="0.6", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("N (rows)")
+    ax.set_ylabel("recall@10 at list 64")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(f"{results['title']}\n{machine_line(results['machine'])}", fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
