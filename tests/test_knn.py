@@ -141,3 +141,15 @@ def test_knn_cuda_50m_rows():
     dists, ids = grnnd.knn(data, queries, 10)
     assert torch.equal(ids[:, 0], rows)
     assert (dists[:, 1:] >= dists[:, :-1]).all()
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+def test_cpu_distances_at_every_lane_tail(metric):
+    """The CPU distance loops keep 32 partial sums and take the rest in blocks of 8 and then one
+    by one (csrc/cpu/distances_cpu.cpp): widths around each boundary give float64's distances."""
+    for dim in (1, 7, 8, 9, 31, 32, 33, 40, 63, 64, 65, 100, 383, 384, 1030):
+        g = torch.Generator().manual_seed(dim)
+        data, queries = torch.randn(300, dim, generator=g), torch.randn(20, dim, generator=g)
+        dists, ids = grnnd.knn(data, queries, 5, metric=metric)
+        expected = true_distances(data, queries, ids, metric).float()
+        torch.testing.assert_close(dists, expected, rtol=1e-5, atol=1e-4 * dim ** 0.5, msg=f"dim {dim}")
