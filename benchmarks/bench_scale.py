@@ -59,9 +59,7 @@ def make_set(family: str, n: int, d: int, seed: int = 0, chunk: int = 1 << 20):
 
 def measure(base, queries, truth, settings: dict) -> dict:
     rounds = []
-    _, secs = cuda_time(lambda: grnnd.build(base, progress=lambda done, total, changes: rounds.append(changes),
-                                            **settings))
-    del _
+    grnnd.build(base, progress=lambda done, total, changes: rounds.append(changes), **settings)
     # Progress costs a synchronisation per round; time the build again without it, and take the
     # peak GPU memory it needs beyond the data (issue bound: 2 * N * pool_size * 8 bytes + 10%).
     torch.cuda.synchronize()
