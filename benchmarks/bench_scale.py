@@ -13,9 +13,9 @@ Data families, made on the GPU in float16, with 1000 held-out queries drawn the 
 For each set and build configuration (build settings as "name=value,..."; "" = the defaults):
 build time (CUDA events), rounds run and the pool entries each changed, the out-degree
 summary, the share of rows a search cannot reach from the hubs (breadth-first search), and
-recall@10 against exact results (torch_grnnd.knn) and queries/s (batch 10 000) at list 32, 64
-and 128, with the default entry points and with random ones only (hub_entries=0), and the peak
-GPU memory of the build beyond the data. Writes scale_<name>.{json,md,png} (the PNG: recall at
+recall@10 against exact results (torch_grnnd.knn) and queries/s (batch 10 000) at each list of
+--lists (32, 64 and 128 by default), with the default entry points and with random ones only
+(hub_entries=0), and the peak GPU memory of the build beyond the data. Writes scale_<name>.{json,md,png} (the PNG: recall at
 list 64 against N, with faiss HNSW where --hnsw asked for it).
 """
 import argparse
@@ -32,7 +32,7 @@ from benchmarks.bench_gpu import cuda_time, parse_build  # noqa: E402
 from benchmarks.report import machine, machine_line  # noqa: E402
 from torch_grnnd.params import BuildParams  # noqa: E402
 
-LISTS = (32, 64, 128)
+LISTS = (32, 64, 128)  # list sizes measured by default; 64 is the one the PNG and the issue compare
 QUERIES = 1000
 
 
@@ -57,7 +57,7 @@ def make_set(family: str, n: int, d: int, seed: int = 0, chunk: int = 1 << 20):
     return x[:n], x[n:]
 
 
-def measure(base, queries, truth, settings: dict) -> dict:
+def measure(base, queries, truth, settings: dict, lists=LISTS) -> dict:
     rounds = []
     grnnd.build(base, progress=lambda done, total, changes: rounds.append(changes), **settings)
     # Progress costs a synchronisation per round; time the build again without it, and take the
@@ -67,7 +67,7 @@ def measure(base, queries, truth, settings: dict) -> dict:
     before = torch.cuda.memory_allocated()
     graph, secs = cuda_time(lambda: grnnd.build(base, **settings))
     peak = torch.cuda.max_memory_allocated() - before
-    pool_size = settings.get("pool_size", BuildParams().pool_size)
+    pool_size = BuildParams(**settings).resolved("cuda").pool_size
     hubs = grnnd.diagnostics.hubs(base)
     unreachable = float((~grnnd.diagnostics.reachable(graph, hubs)).double().mean()) if hubs.numel() else None
     row = {"build": settings, "build_s": secs, "rounds": len(rounds), "changes": rounds,
@@ -78,7 +78,7 @@ def measure(base, queries, truth, settings: dict) -> dict:
     batch = queries.repeat(10, 1)
     for entries, key in ((-1, "recall"), (0, "recall_random_entries")):
         row[key], row[key + "_qps"] = {}, {}
-        for size in LISTS:
+        for size in lists:
             _, ids = grnnd.search(base, graph, queries, 10, list_size=size, hub_entries=entries)
             row[key][size] = grnnd.recall(ids, truth, 10)
             _, secs = cuda_time(lambda: grnnd.search(base, graph, batch, 10, list_size=size, hub_entries=entries),
@@ -119,9 +119,14 @@ def main():
     p.add_argument("--builds", nargs="+", default=[""],
                    help="build settings per configuration; '' = the defaults")
     p.add_argument("--hnsw", default="", help="comma-separated sets (as in --sets) that also get a faiss HNSW reference")
+    p.add_argument("--lists", default=",".join(map(str, LISTS)),
+                   help="list sizes (and HNSW efSearch values) to measure; must include 64")
     p.add_argument("--name", default="gpu")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
+    lists = tuple(int(v) for v in args.lists.split(","))
+    if 64 not in lists:
+        p.error("--lists must include 64 (the list the PNG and the issue's goals compare)")
     rows = []
     for spec in args.sets.split(","):
         family, _, size = spec.partition(":")
@@ -131,21 +136,21 @@ def main():
         grnnd.build(base[:50_000])  # warm-up: kernels loaded, allocator primed
         for text in args.builds:
             settings = parse_build(text)
-            row = {"family": family, "n": n, "d": d, **measure(base, queries, truth, settings)}
+            row = {"family": family, "n": n, "d": d, **measure(base, queries, truth, settings, lists)}
             rows.append(row)
             print(f"{family} {n:>10,} x {d:<5} {describe(settings):<50} build {row['build_s']:7.3f} s, "
                   f"{row['rounds']:2d} rounds, peak extra {row['peak_extra_bytes'] / 2**20:,.0f} MiB "
                   f"(bound {row['pool_bound_bytes'] / 2**20:,.0f}), "
                   f"degree min {row['degree']['min']} mean {row['degree']['mean']:.1f}, "
-                  f"unreachable {row['unreachable_from_hubs']}, recall@10 list 32/64/128 "
-                  + "/".join(f"{row['recall'][s]:.3f}" for s in LISTS) + " (random entries "
-                  + "/".join(f"{row['recall_random_entries'][s]:.3f}" for s in LISTS) + "), queries/s list 64 "
-                  f"{row['recall_qps'][64]:,.0f}", flush=True)
+                  f"unreachable {row['unreachable_from_hubs']}, recall@10 list {'/'.join(map(str, lists))} "
+                  + "/".join(f"{row['recall'][s]:.3f}" for s in lists) + " (random entries "
+                  + "/".join(f"{row['recall_random_entries'][s]:.3f}" for s in lists) + "), queries/s "
+                  + "/".join(f"{row['recall_qps'][s]:,.0f}" for s in lists), flush=True)
         if spec in args.hnsw.split(","):
-            ref = hnsw_reference(base, queries, truth)
+            ref = hnsw_reference(base, queries, truth, lists)
             rows.append({"family": family, "n": n, "d": d, "hnsw": ref})
             print(f"{family} {n:>10,} x {d:<5} faiss HNSW M=32 efC=40: build {ref['build_s']:.1f} s on "
-                  f"{ref['threads']} threads, recall@10 efSearch 32/64/128 "
+                  f"{ref['threads']} threads, recall@10 efSearch {'/'.join(map(str, lists))} "
                   + "/".join(f"{v:.3f}" for v in ref["recall"].values()), flush=True)
         del base, queries, truth
         torch.cuda.empty_cache()
@@ -153,6 +158,7 @@ def main():
 
 
 def write(rows, args):
+    lists = tuple(int(v) for v in args.lists.split(","))
     results = {"title": "Build quality from 100k to 10M rows", "machine": machine(threads=torch.get_num_threads(), cuda=True),
                "rows": rows}
     os.makedirs(args.out, exist_ok=True)
@@ -165,23 +171,23 @@ def write(rows, args):
              "10 000 with the default entry points; peak: GPU memory the build needs beyond the data, against "
              "2 N R 8 bytes + 10%. Degree histograms in the JSON.", "",
              "| data | N | D | build | s | rounds | peak / bound MiB | degree min / p1 / mean | unreachable | "
-             "recall list 32 / 64 / 128 (hub entries) | queries/s list 32 / 64 / 128 | (random entries) |",
+             f"recall list {' / '.join(map(str, lists))} (hub entries) | queries/s | (random entries) |",
              "|---|---:|---:|---|---:|---:|---|---|---:|---|---|---|"]
     for r in rows:
         if "hnsw" in r:
             h = r["hnsw"]
             lines.append(f"| {r['family']} | {r['n']:,} | {r['d']} | faiss-cpu HNSW M=32 efC=40 ({h['threads']} threads) | "
                          f"{h['build_s']:.1f} | | | | | " + " / ".join(f"{v:.3f}" for v in h["recall"].values())
-                         + " (efSearch 32 / 64 / 128) | | |")
+                         + " (efSearch) | | |")
             continue
         deg = r["degree"]
         unreachable = "-" if r["unreachable_from_hubs"] is None else f"{r['unreachable_from_hubs']:.2e}"
         lines.append(f"| {r['family']} | {r['n']:,} | {r['d']} | {describe(r['build'])} | {r['build_s']:.2f} | "
                      f"{r['rounds']} | {r['peak_extra_bytes'] / 2**20:,.0f} / {r['pool_bound_bytes'] / 2**20:,.0f} | "
                      f"{deg['min']} / {deg['p1']:.0f} / {deg['mean']:.1f} | {unreachable} | "
-                     + " / ".join(f"{r['recall'][s]:.3f}" for s in LISTS) + " | "
-                     + " / ".join(f"{r['recall_qps'][s] / 1e6:.2f}M" for s in LISTS) + " | "
-                     + " / ".join(f"{r['recall_random_entries'][s]:.3f}" for s in LISTS) + " |")
+                     + " / ".join(f"{r['recall'][s]:.3f}" for s in lists) + " | "
+                     + " / ".join(f"{r['recall_qps'][s] / 1e6:.2f}M" for s in lists) + " | "
+                     + " / ".join(f"{r['recall_random_entries'][s]:.3f}" for s in lists) + " |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     plot(results, base + ".png")

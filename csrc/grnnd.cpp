@@ -28,7 +28,7 @@ TORCH_LIBRARY(grnnd, m) {
   // init: optional int32 [N, c] entries each vertex starts with besides its S draws, as already
   // compared ("old", seed 003's merge of built graphs), -1 padded (build_schedule.h, start_pools).
   m.def(
-      "build(Tensor data, *, int degree=32, int initial_degree=16, int pool_size=48, int outer_iters=8, "
+      "build(Tensor data, *, int degree=0, int initial_degree=16, int pool_size=0, int outer_iters=8, "
       "int inner_iters=8, float reverse_ratio=0.6, str update_order=\"descending\", str metric=\"l2\", "
       "int seed=0, float delta=0.02, str start=\"hubs\", Tensor? init=None) -> Tensor");
   // Batched greedy graph search; list_size=0 means max(k, 64). No argument is keyword-only:
@@ -68,6 +68,9 @@ TORCH_LIBRARY(grnnd, m) {
   m.def(
       "prune_rows(Tensor data, Tensor vertices, Tensor candidates, int degree, *, str metric=\"l2\", "
       "bool rule=True, int fixed=0) -> Tensor");
+  // graph (as build returns it, rows ascending by distance) with every vertex made reachable from
+  // the search's entry points, as the build's last step does (csrc/reachability.h).
+  m.def("connect(Tensor data, Tensor graph, *, str metric=\"l2\") -> Tensor");
   // The hubs of data's rows (csrc/hubs.h): int64 ids, empty for small data.
   m.def("hub_ids(Tensor data) -> Tensor");
   // For each query, the ids of its k nearest hubs among data's rows, nearest first: int64
@@ -105,5 +108,8 @@ TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
                     -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("knn"); });
   m.impl("prune_rows", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, c10::string_view, bool,
                           int64_t) -> at::Tensor { no_cuda_kernel("prune_rows"); });
+  m.impl("connect", [](const at::Tensor&, const at::Tensor&, c10::string_view) -> at::Tensor {
+    no_cuda_kernel("connect");
+  });
 }
 #endif

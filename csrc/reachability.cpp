@@ -6,7 +6,9 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "checks.h"
 #include "hubs.h"
+#include "prune.h"
 
 namespace grnnd {
 namespace {
@@ -17,23 +19,50 @@ constexpr int kMaxPasses = 64;
 // Parents whose rows are rebuilt at once (their neighbours' rows are gathered in float32).
 constexpr int64_t kRowsPerChunk = 4096;
 
-// Adds the edge parent[i] -> child[i] to each parent's row (parents distinct): the row keeps
-// its degree - 1 nearest entries (so a full row drops its farthest) plus the child, re-sorted.
+// Adds the edge parent[i] -> child[i] to each parent's row (parents distinct), rows re-sorted by
+// distance. A row with a free place takes the child there. A full row gives up its farthest
+// entry that another reached vertex also links to (reached_in_degree >= 2), so the repair takes
+// no vertex's only way in; only a row of nothing but such sole links drops its farthest entry.
+// Dropping the farthest entry whatever it was could cycle: parent p takes lost a and drops b,
+// b's nearest reached vertex is p again, which takes b back and drops a, and so on until the
+// passes ran out (one vertex of 4M clustered rows was left unreachable so, H100).
 void add_edges(at::Tensor& graph, const at::Tensor& x, const at::Tensor& lift, const at::Tensor& parent,
-               const at::Tensor& child) {
+               const at::Tensor& child, const at::Tensor& reached_in_degree) {
   const int64_t degree = graph.size(1);
+  const at::Tensor position = at::arange(1, degree + 1, parent.options());
   for (int64_t start = 0; start < parent.numel(); start += kRowsPerChunk) {
     const int64_t end = std::min(parent.numel(), start + kRowsPerChunk);
     const at::Tensor p = parent.slice(0, start, end);
     const at::Tensor rows = graph.index_select(0, p).to(at::kLong);
-    const at::Tensor candidates =
-        at::cat({rows.slice(1, 0, degree - 1), child.slice(0, start, end).unsqueeze(1)}, 1);
-    const at::Tensor padding = candidates.lt(0);
+    const at::Tensor padding = rows.lt(0);
+    // The place the child takes: the last that is free or shared (rows are padded at the end and
+    // ascending by distance, so that is a free place or else the farthest shared entry), else
+    // the last place.
+    const at::Tensor shared = reached_in_degree.index_select(0, rows.clamp_min(0).flatten()).view_as(rows).ge(2);
+    const at::Tensor replaceable = padding.logical_or(shared);
+    at::Tensor place = (replaceable.to(at::kLong) * position).argmax(1, /*keepdim=*/true);
+    place.masked_fill_(replaceable.any(1, /*keepdim=*/true).logical_not(), degree - 1);
+    const at::Tensor candidates = rows.scatter(1, place, child.slice(0, start, end).unsqueeze(1));
     const at::Tensor dist = pair_distances(x, lift, p, candidates.clamp_min(0))
-                                .masked_fill_(padding, std::numeric_limits<float>::infinity());
+                                .masked_fill_(candidates.lt(0), std::numeric_limits<float>::infinity());
     const at::Tensor order = std::get<1>(at::sort(dist, /*stable=*/true, /*dim=*/1, /*descending=*/false));
     graph.index_copy_(0, p, candidates.gather(1, order).to(graph.scalar_type()));
   }
+}
+
+// Per vertex, the edges that lead to it from reached vertices: a row may give up an entry with
+// two or more without making its target unreachable. Counted a chunk of rows at a time, so
+// the ids are never all widened to int64 at once (2.5 GB for 10M rows of 32).
+at::Tensor reached_in_degree(const at::Tensor& graph, const at::Tensor& seen) {
+  const int64_t n = graph.size(0);
+  at::Tensor count = at::zeros({n}, graph.options().dtype(at::kLong));
+  for (int64_t start = 0; start < n; start += kRowsPerChunk * 64) {
+    const int64_t end = std::min(n, start + kRowsPerChunk * 64);
+    const at::Tensor rows = graph.slice(0, start, end);
+    const at::Tensor ids = rows.masked_select(rows.ge(0).logical_and(seen.slice(0, start, end).unsqueeze(1)));
+    count.index_add_(0, ids.to(at::kLong), at::ones_like(ids, count.options()));
+  }
+  return count;
 }
 
 }  // namespace
@@ -120,10 +149,20 @@ int64_t connect_unreachable(at::Tensor& graph, const at::Tensor& data, c10::stri
     at::Tensor first = at::ones_like(by_parent, by_parent.options().dtype(at::kBool));
     if (by_parent.numel() > 1) first.slice(0, 1).copy_(by_parent.slice(0, 1).ne(by_parent.slice(0, 0, -1)));
     const at::Tensor parents = by_parent.masked_select(first);
-    add_edges(graph, x, lift, parents, lost.index_select(0, std::get<1>(sorted)).masked_select(first));
+    add_edges(graph, x, lift, parents, lost.index_select(0, std::get<1>(sorted)).masked_select(first),
+              reached_in_degree(graph, seen));
     added += parents.numel();
   }
   return added;
+}
+
+at::Tensor connected_copy(const at::Tensor& data, const at::Tensor& graph, c10::string_view metric,
+                          const at::Tensor& x) {
+  check_search_inputs(data, graph, data, 1, c10::nullopt);
+  check_search_contents(data, graph, data);
+  at::Tensor out = graph.clone(at::MemoryFormat::Contiguous);
+  connect_unreachable(out, data, metric, x, inner_product_lift(x, parse_metric(std::string(metric))));
+  return out;
 }
 
 }  // namespace grnnd

@@ -37,4 +37,9 @@ at::Tensor reachability_sources(int64_t n, const at::TensorOptions& options);
 int64_t connect_unreachable(at::Tensor& graph, const at::Tensor& data, c10::string_view metric, const at::Tensor& x,
                             const at::Tensor& lift);
 
+// The op `connect` (grnnd.diagnostics.connect): a copy of graph with the repair above applied,
+// after the checks a search makes of data and graph. x: data prepared by the device's build.
+at::Tensor connected_copy(const at::Tensor& data, const at::Tensor& graph, c10::string_view metric,
+                          const at::Tensor& x);
+
 }  // namespace grnnd

@@ -83,6 +83,26 @@ def test_every_vertex_is_reachable_from_the_hubs(device):
     assert grnnd.diagnostics.degree_summary(graph)["min"] >= 8
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_repair_takes_no_vertex_its_only_way_in(device):
+    # Row 0 (the entry point without hubs) links to c and b; nothing links to a, whose nearest
+    # vertex is row 0. Giving row 0's farthest place (b) to a would make b unreachable, and b's
+    # nearest reachable vertex is row 0 again, which would then give up a: the repair must give
+    # up c instead, which d links to as well (0 -> b -> d -> c).
+    p, a, b, c, d = range(5)
+    data = torch.tensor([[0.0, 0.0], [0.0, 2.0], [0.0, -3.0], [1.0, 0.0], [5.0, 0.0]], device=device)
+    graph = torch.tensor([[c, b], [p, -1], [d, -1], [d, -1], [c, -1]], dtype=torch.int32, device=device)
+    assert not grnnd.diagnostics.reachable(graph, torch.tensor([p]))[a]
+    repaired = grnnd.diagnostics.connect(data, graph)
+    assert repaired[p].tolist() == [a, b]  # ascending by distance
+    assert torch.equal(repaired[1:], graph[1:])
+    assert grnnd.diagnostics.reachable(repaired, torch.tensor([p])).all()
+    # A graph whose vertices are all reachable comes back as it was.
+    assert torch.equal(grnnd.diagnostics.connect(data, repaired), repaired)
+    with pytest.raises(ValueError, match="graph: has 4 rows but data has 5"):
+        grnnd.diagnostics.connect(data, graph[:4])
+
+
 def assert_rows_well_formed(graph: torch.Tensor):
     ids = graph.long()
     padded = ids < 0

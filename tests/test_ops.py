@@ -25,6 +25,7 @@ GRAPH = grnnd.build(DATA, degree=8, pool_size=16, initial_degree=8)
         (torch.ops.grnnd.search_distance_counts.default, (DATA, GRAPH, QUERIES, 5), dict(searches=2)),
         (torch.ops.grnnd.knn.default, (DATA, QUERIES, 5), dict(metric="ip")),
         (torch.ops.grnnd.nearest_hubs.default, (clustered(16_000, 4, 8, seed=13), QUERIES[:, :4], 3), dict()),
+        (torch.ops.grnnd.connect.default, (DATA, GRAPH), dict()),
         (torch.ops.grnnd.knn_graph.default, (DATA, 4), dict()),
         (torch.ops.grnnd.knn_graph.default, (DATA, 4), dict(exact=True)),
         (torch.ops.grnnd.knn_segments.default, (DATA, QUERIES, torch.tensor([0, 25, 60]),
@@ -134,6 +135,22 @@ def test_settings_defaults_equal_schema_defaults(settings, op):
     schema.pop("init", None)  # a tensor the call brings (ops.build's init), not a setting
     defaults = {f.name: f.default for f in dataclasses.fields(settings) if f.name in schema}
     assert defaults == schema and set(schema) <= {f.name for f in dataclasses.fields(settings)}
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("settings", [{}, dict(degree=16), dict(pool_size=24), dict(degree=80), dict(degree=8, pool_size=12, initial_degree=8)])
+def test_degree_and_pool_size_left_to_the_device(device, settings):
+    # 0 (the default) means the device's: what BuildParams.resolved says is what the op builds.
+    data = clustered(400, 8, 4, seed=3).to(device)
+    params = grnnd.BuildParams(**settings).resolved(device)
+    assert grnnd.build(data, **settings).shape == (400, params.degree)
+    assert 1 <= params.degree <= params.pool_size
+    assert params.degree == settings.get("degree", min({"cpu": 32, "cuda": 64}[device], params.pool_size))
+    assert params.pool_size == settings.get("pool_size", max({"cpu": 48, "cuda": 64}[device], params.degree))
+    # The fake kernel (torch.compile) agrees on the shape.
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = mode.from_tensor(data)
+        assert torch.ops.grnnd.build(fake, **settings).shape == (400, params.degree)
 
 
 def test_settings_as_params_or_keywords():

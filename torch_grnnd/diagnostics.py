@@ -52,6 +52,16 @@ def reachable(graph: Tensor, sources: Tensor) -> Tensor:
     return seen
 
 
+def connect(data: Tensor, graph: Tensor, metric: str = "l2") -> Tensor:
+    """A copy of ``graph`` (int32 [N, degree] over ``data``'s rows, rows ascending by distance as
+    :func:`torch_grnnd.build` returns them) in which every vertex is reachable from the search's
+    entry points (the hubs; row 0 under 16 000 rows). The repair a build ends with, for graphs
+    edited or assembled by hand: each unreachable vertex gets an edge from the nearest reachable
+    vertex a search finds for it; a full row makes room by giving up its farthest entry that
+    another reachable vertex also links to."""
+    return torch.ops.grnnd.connect(data, graph, metric=metric)
+
+
 def hubs(data: Tensor) -> Tensor:
     """int64 ids of the hubs of ``data``'s rows: the sample whose nearest members give the build
     its start and the search its first entry points (empty under 16 000 rows)."""

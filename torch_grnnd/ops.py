@@ -160,8 +160,9 @@ def _query_outputs(data: Tensor, queries: Tensor, k: int, graph: Optional[Tensor
 
 # Fake kernels receive the arguments as the caller passed them (defaults not filled in).
 @torch.library.register_fake("grnnd::build")
-def _build_fake(data, *, degree=BuildParams.degree, **_):
-    return data.new_empty((data.shape[0], degree), dtype=torch.int32)
+def _build_fake(data, *, degree=BuildParams.degree, pool_size=BuildParams.pool_size, **_):
+    resolved = BuildParams(degree=degree, pool_size=pool_size).resolved(data.device)
+    return data.new_empty((data.shape[0], resolved.degree), dtype=torch.int32)
 
 
 @torch.library.register_fake("grnnd::search")
@@ -173,6 +174,11 @@ def _search_fake(data, graph, queries, k, *_, **__):
 def _search_distance_counts_fake(data, graph, queries, k, *_, **__):
     _query_outputs(data, queries, k, graph)
     return queries.new_empty((queries.shape[0],), dtype=torch.int32)
+
+
+@torch.library.register_fake("grnnd::connect")
+def _connect_fake(data, graph, **_):
+    return torch.empty_like(graph, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("grnnd::hub_ids")

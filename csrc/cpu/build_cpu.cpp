@@ -220,7 +220,7 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
   check_build_inputs(data);
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
                                           std::string(update_order), std::string(metric), seed, delta,
-                                          std::string(start));
+                                          std::string(start), kCpuBuildDefaults);
   const int64_t n = data.size(0);
   const at::Tensor x = prepare_vectors(data, p.metric);
   VectorSet vectors{x.data_ptr<float>(), x.size(1), p.metric};
@@ -277,7 +277,12 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(grnnd, CPU, m) { m.impl("build", &build_cpu); }
+TORCH_LIBRARY_IMPL(grnnd, CPU, m) {
+  m.impl("build", &build_cpu);
+  m.impl("connect", [](const at::Tensor& data, const at::Tensor& graph, c10::string_view metric) {
+    return connected_copy(data, graph, metric, prepare_vectors(data, parse_metric(std::string(metric))));
+  });
+}
 
 }  // namespace cpu
 }  // namespace grnnd

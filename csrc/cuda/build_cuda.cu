@@ -510,7 +510,7 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
   const c10::cuda::CUDAGuard guard(data.device());
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
                                           std::string(update_order), std::string(metric), seed, delta,
-                                          std::string(start));
+                                          std::string(start), kCudaBuildDefaults);
   const int64_t n = data.size(0);
   const at::Tensor init_entries = start_entries(init, data, p);
   const at::Tensor x = prepare_vectors(data, p.metric);
@@ -579,7 +579,13 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(grnnd, CUDA, m) { m.impl("build", &build_cuda); }
+TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
+  m.impl("build", &build_cuda);
+  m.impl("connect", [](const at::Tensor& data, const at::Tensor& graph, c10::string_view metric) {
+    const c10::cuda::CUDAGuard guard(data.device());
+    return connected_copy(data, graph, metric, prepare_vectors(data, parse_metric(std::string(metric))));
+  });
+}
 
 }  // namespace cuda
 }  // namespace grnnd
