@@ -32,7 +32,7 @@ def _default(op, name: str):
 
 _build = torch.ops.grnnd.build
 # (degree, pool_size) where the build's 0 leaves them to the device: csrc/params.h, BuildDefaults.
-_DEVICE_DEFAULTS = {"cpu": (32, 48), "cuda": (64, 64)}
+_DEVICE_DEFAULTS = {"cpu": (32, 48), "cuda": (64, 48)}
 _search = torch.ops.grnnd.search
 
 
@@ -61,16 +61,18 @@ class BuildParams(_Settings):
     """How :func:`torch_grnnd.build` builds a graph (GRNND, seed 000; the paper's symbols in brackets).
 
     Attributes:
-        degree: out-degree of the returned graph; rows are cut to it, then -1 padded. 0 (the
-            default): the device's, at most ``pool_size``: 64 on CUDA, 32 on the CPU. A CUDA search
-            expands a row's neighbours side by side, so wider rows cost it little: at equal recall
-            degree 64 searched as fast as 32 or faster, and at each list size it found more. A CPU
-            search pays per distance, and there 32 stays faster at equal recall
-            (benchmarks/README.md, "Degree"). :meth:`resolved` says what a device uses.
+        degree: out-degree of the returned graph (at most 256): each row keeps what the
+            relative-neighbourhood rule left of its pool and is filled up to the degree with the
+            nearest vertices two hops away, then -1 padded where there are none. 0 (the default):
+            the device's, 64 on CUDA and 32 on the CPU. A CUDA search expands a row's neighbours
+            side by side, so wider rows cost it little: at equal recall degree 64 searched as fast
+            as 32 or faster, and at each list size it found more. A CPU search pays per distance,
+            and there 32 stays faster at equal recall (benchmarks/README.md, "Degree").
+            :meth:`resolved` says what a device uses.
         initial_degree: [S] random neighbours each vertex starts with.
         pool_size: [R] capacity of each vertex's candidate pool (at most 256); more finds better
             neighbours for more memory (2 * N * R * 8 bytes) and time. 0 (the default): the
-            device's, at least ``degree``: 64 on CUDA, 48 on the CPU.
+            device's, 48 on both.
         outer_iters: [T1] outer iterations; each adds reverse edges before the next.
         inner_iters: [T2] update rounds per outer iteration.
         reverse_ratio: [rho] share of each pool, closest first, that gets a reverse edge.
@@ -104,8 +106,7 @@ class BuildParams(_Settings):
         """These settings with ``degree`` and ``pool_size`` as a build on ``device`` uses them
         (0 replaced by the device's default, as csrc/params.h does)."""
         default_degree, default_pool = _DEVICE_DEFAULTS["cuda" if torch.device(device).type == "cuda" else "cpu"]
-        pool_size = self.pool_size or max(default_pool, self.degree)
-        return self.replace(pool_size=pool_size, degree=self.degree or min(default_degree, pool_size))
+        return self.replace(degree=self.degree or default_degree, pool_size=self.pool_size or default_pool)
 
 
 @dataclass(frozen=True, eq=False)  # a filter tensor has no truth value to compare by

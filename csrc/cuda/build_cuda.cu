@@ -448,10 +448,11 @@ int run_build(const T* x, const DevicePools& pools, const BuildArgs& args, const
     read ^= 1;
   };
   run_schedule(p, n, update, reverse);
-  // The rows go into the spare buffer's slots, [N, R] int32 holding [N, degree] (degree <= R),
-  // so the graph needs no memory of its own while the pools are alive.
+  // The rows go into the spare buffer's slots, [N, R] int32 holding [N, min(degree, R)], so
+  // the graph needs no memory of its own while the pools are alive.
   finalise_kernel<<<blocks, kBlockThreads, shared, stream>>>(
-      pools, read, p.degree, reinterpret_cast<int32_t*>(pools.slots + (read ^ 1) * buffer_slots));
+      pools, read, std::min(p.degree, p.pool_size),
+      reinterpret_cast<int32_t*>(pools.slots + (read ^ 1) * buffer_slots));
   check_launch();
   return read ^ 1;
 }
@@ -518,9 +519,9 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
   const at::Tensor lift = inner_product_lift(x, p.metric);
   // Everything the rounds use, allocated once before the first kernel (section 3.5: no
   // allocation in the loop): 2 x [N, R] slots and distances, 2 x [N] counts, [N] locks, [N]
-  // change counts; and the start's cells (12 bytes a row). The [N, degree] graph is written
-  // into the spare slots and copied out once the distances are freed, so it adds nothing to
-  // the peak. Checked before the cells are made: finding them costs time in proportion to N x hubs.
+  // change counts; and the start's cells (12 bytes a row). The pools' rows are written into
+  // the spare slots and copied into the [N, degree] graph once the distances are freed, so it
+  // adds nothing to the peak. Checked before the cells are made: finding them costs time in proportion to N x hubs.
   const int64_t capacity = p.pool_size;
   const int64_t needed = 2 * n * capacity * static_cast<int64_t>(sizeof(uint32_t) + sizeof(float)) +
                          4 * n * static_cast<int64_t>(sizeof(int)) +
@@ -570,7 +571,11 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
   });
   // The distances go first, so the graph's copy takes their place rather than new memory.
   dists = counts = locks = changes = at::Tensor();
-  at::Tensor graph = slots[graph_buffer].view(-1).narrow(0, 0, n * p.degree).view({n, p.degree}).clone();
+  // A degree above the pool gets its further places from the fill; their memory takes the place
+  // of the freed distances, below the peak of the rounds.
+  const int64_t pooled = std::min(p.degree, p.pool_size);
+  at::Tensor graph = at::full({n, p.degree}, -1, slots.options());
+  graph.narrow(1, 0, pooled).copy_(slots[graph_buffer].view(-1).narrow(0, 0, n * pooled).view({n, pooled}));
   slots = at::Tensor();
   graph = fill_rows_cuda(graph, x, lift, p.metric);
   connect_unreachable(graph, data, metric, x, lift);
