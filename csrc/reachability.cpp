@@ -16,6 +16,15 @@ namespace {
 // Repair passes before giving up; each reconnects at least one lost vertex per parent, and on
 // the data of benchmarks/bench_scale.py one or two passes left nothing unreached.
 constexpr int kMaxPasses = 64;
+// Edges gathered at once (a breadth-first level's out-edges, in-degree counts), per row of the
+// graph: with their int64 copies about 70 bytes a row, a tenth of the build's pools, whatever
+// the degree. A whole level at degree 64 raised the build's peak memory above its pools'.
+constexpr int64_t kEdgesPerRowAtOnce = 4;
+
+// Rows of `graph` whose edges are gathered at once.
+int64_t rows_at_once(const at::Tensor& graph) {
+  return std::max<int64_t>(1024, kEdgesPerRowAtOnce * graph.size(0) / std::max<int64_t>(1, graph.size(1)));
+}
 // Parents whose rows are rebuilt at once (their neighbours' rows are gathered in float32).
 constexpr int64_t kRowsPerChunk = 4096;
 
@@ -51,13 +60,13 @@ void add_edges(at::Tensor& graph, const at::Tensor& x, const at::Tensor& lift, c
 }
 
 // Per vertex, the edges that lead to it from reached vertices: a row may give up an entry with
-// two or more without making its target unreachable. Counted a chunk of rows at a time, so
-// the ids are never all widened to int64 at once (2.5 GB for 10M rows of 32).
+// two or more without making its target unreachable. Counted a chunk of rows at a time.
 at::Tensor reached_in_degree(const at::Tensor& graph, const at::Tensor& seen) {
   const int64_t n = graph.size(0);
   at::Tensor count = at::zeros({n}, graph.options().dtype(at::kLong));
-  for (int64_t start = 0; start < n; start += kRowsPerChunk * 64) {
-    const int64_t end = std::min(n, start + kRowsPerChunk * 64);
+  const int64_t chunk = rows_at_once(graph);
+  for (int64_t start = 0; start < n; start += chunk) {
+    const int64_t end = std::min(n, start + chunk);
     const at::Tensor rows = graph.slice(0, start, end);
     const at::Tensor ids = rows.masked_select(rows.ge(0).logical_and(seen.slice(0, start, end).unsqueeze(1)));
     count.index_add_(0, ids.to(at::kLong), at::ones_like(ids, count.options()));
@@ -95,12 +104,16 @@ at::Tensor reached_from(const at::Tensor& graph, const at::Tensor& sources) {
   at::Tensor seen = at::zeros({n}, graph.options().dtype(at::kBool));
   at::Tensor frontier = sources.to(at::kLong);
   seen.index_fill_(0, frontier, true);
-  // One level per step; reading a level's size is a host synchronisation.
+  // One level per step; reading a level's size is a host synchronisation. A level may hold most
+  // of the graph: its rows are gathered a chunk at a time.
+  const int64_t chunk = rows_at_once(graph);
   while (frontier.numel() > 0) {
-    at::Tensor next = graph.index_select(0, frontier).flatten();
-    next = next.masked_select(next.ge(0)).to(at::kLong);
     at::Tensor fresh = at::zeros({n}, seen.options());
-    fresh.index_fill_(0, next, true);
+    for (int64_t start = 0; start < frontier.numel(); start += chunk) {
+      const int64_t end = std::min(frontier.numel(), start + chunk);
+      const at::Tensor next = graph.index_select(0, frontier.slice(0, start, end)).flatten();
+      fresh.index_fill_(0, next.masked_select(next.ge(0)).to(at::kLong), true);
+    }
     fresh.logical_and_(seen.logical_not());
     seen.logical_or_(fresh);
     frontier = fresh.nonzero().flatten();
