@@ -54,7 +54,7 @@ def measure(family: str, n: int, d: int, budget: str) -> dict:
     del base
     torch.cuda.empty_cache()
     params = grnnd.BuildParams()
-    rows = out_of_core.parse_bytes(budget) // out_of_core.bytes_per_row(d, host.element_size(), params, "cuda")
+    rows = out_of_core.parse_bytes(budget) // out_of_core.bytes_per_row(d, host.element_size(), params)
     members, _, secondary, centres = out_of_core.plan_shards(host, rows, "l2", torch.device("cuda"), params.seed)
     shards, shared = len(members), float((secondary >= 0).float().mean())
     steps = []

@@ -33,14 +33,14 @@ Start parse_start(const std::string& name) {
 
 BuildParams make_build_params(int64_t degree, int64_t initial_degree, int64_t pool_size, int64_t outer_iters,
                               int64_t inner_iters, double reverse_ratio, const std::string& update_order,
-                              const std::string& metric, int64_t seed, double delta, const std::string& start,
-                              const BuildDefaults& defaults) {
-  TORCH_CHECK_VALUE(degree >= 0 && degree <= kMaxPoolSize, "degree: expected 1 <= degree <= ", kMaxPoolSize,
-                    ", or 0 for the device's default, got ", degree);
-  TORCH_CHECK_VALUE(pool_size == 0 || (pool_size >= 2 && pool_size <= kMaxPoolSize), "pool_size: expected 2 <= R <= ",
-                    kMaxPoolSize, ", or 0 for the device's default, got ", pool_size);
-  if (degree == 0) degree = defaults.degree;
-  if (pool_size == 0) pool_size = defaults.pool_size;
+                              const std::string& metric, int64_t seed, double delta, const std::string& start) {
+  // A row keeps what the relative-neighbourhood rule left of its pool (about 15 entries on
+  // clustered data) and is filled up to the degree from two hops away (fill.h), so the degree
+  // may exceed the pool.
+  TORCH_CHECK_VALUE(degree >= 1 && degree <= kMaxPoolSize, "degree: expected 1 <= degree <= ", kMaxPoolSize,
+                    ", got ", degree);
+  TORCH_CHECK_VALUE(pool_size >= 2 && pool_size <= kMaxPoolSize, "pool_size: expected 2 <= R <= ",
+                    kMaxPoolSize, ", got ", pool_size);
   TORCH_CHECK_VALUE(initial_degree >= 1 && initial_degree <= pool_size,
                     "initial_degree: expected 1 <= S <= pool_size (", pool_size, "), got ", initial_degree);
   TORCH_CHECK_VALUE(outer_iters >= 1, "outer_iters: expected >= 1, got ", outer_iters);

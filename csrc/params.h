@@ -76,26 +76,9 @@ struct BuildParams {
   double converged_changes(int64_t n) const { return delta * static_cast<double>(n) * pool_size; }
 };
 
-// The out-degree and pool size a build uses where the schema's 0 leaves them to the device.
-// A row keeps what the relative-neighbourhood rule left of its pool (about 15 entries on
-// clustered data) and is filled up to the degree from two hops away (fill.h), so the degree may
-// exceed the pool. A CUDA search expands a parent's neighbours side by side, one team of lanes
-// each, so a wider row costs it little and saves iterations: degree 64 searched as fast as 32 or
-// faster at equal recall on clustered and power-law data, and at each list size it found more
-// (benchmarks/README.md, "Degree"). The CPU search pays per distance, and there degree 32 stayed
-// the fastest at equal recall. A pool of 64 instead of 48 added little to either and cost a
-// third more memory and up to 1.4x the build time (10M x 1024 rows, H100).
-struct BuildDefaults {
-  int degree, pool_size;
-};
-constexpr BuildDefaults kCpuBuildDefaults{32, 48};
-constexpr BuildDefaults kCudaBuildDefaults{64, 48};
-
-// degree = 0 and pool_size = 0: the device's (BuildDefaults).
 BuildParams make_build_params(int64_t degree, int64_t initial_degree, int64_t pool_size, int64_t outer_iters,
                               int64_t inner_iters, double reverse_ratio, const std::string& update_order,
-                              const std::string& metric, int64_t seed, double delta, const std::string& start,
-                              const BuildDefaults& defaults);
+                              const std::string& metric, int64_t seed, double delta, const std::string& start);
 
 // Largest k the exact knn returns (its GPU selection keeps k plus a margin in shared memory).
 constexpr int kMaxKnnK = 1024;

@@ -51,7 +51,7 @@ def test_large_finite_values_are_accepted():
 @pytest.mark.parametrize(
     "params, match",
     [
-        (dict(degree=-1), "degree: expected 1 <= degree <= 256, or 0"),
+        (dict(degree=0), "degree: expected 1 <= degree <= 256"),
         (dict(degree=257), "degree: expected 1 <= degree <= 256"),
         (dict(pool_size=1), "pool_size: expected 2 <= R"),
         (dict(pool_size=100_000), "pool_size: expected 2 <= R"),

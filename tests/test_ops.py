@@ -138,18 +138,16 @@ def test_settings_defaults_equal_schema_defaults(settings, op):
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-@pytest.mark.parametrize("settings", [{}, dict(degree=16), dict(pool_size=24), dict(degree=80), dict(degree=8, pool_size=12, initial_degree=8)])
-def test_degree_and_pool_size_left_to_the_device(device, settings):
-    # 0 (the default) means the device's: what BuildParams.resolved says is what the op builds.
-    data = clustered(400, 8, 4, seed=3).to(device)
-    params = grnnd.BuildParams(**settings).resolved(device)
-    assert grnnd.build(data, **settings).shape == (400, params.degree)
-    assert params.degree == settings.get("degree", {"cpu": 32, "cuda": 64}[device])
-    assert params.pool_size == settings.get("pool_size", 48)
-    # The fake kernel (torch.compile) agrees on the shape.
-    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        fake = mode.from_tensor(data)
-        assert torch.ops.grnnd.build(fake, **settings).shape == (400, params.degree)
+def test_a_degree_above_the_pool_is_filled_from_two_hops(device):
+    data = clustered(3000, 8, 6, seed=3).to(device)
+    wide = grnnd.build(data, degree=40, pool_size=24)
+    assert wide.shape == (3000, 40)
+    assert int((wide >= 0).sum(1).min()) == 40  # every place filled
+    ids = wide.long()
+    dist = (data[ids] - data[:, None]).pow(2).sum(2)
+    assert (dist[:, 1:] >= dist[:, :-1] * (1 - 1e-5)).all(), "rows ascending by distance"
+    assert not (ids == torch.arange(3000, device=device)[:, None]).any()
+    assert (ids.sort(1).values.diff(1) > 0).all(), "no repeats"
 
 
 def test_settings_as_params_or_keywords():

@@ -9,9 +9,9 @@ from torch_grnnd import out_of_core
 from conftest import clustered, exact_neighbours
 
 
-def budget_for(rows: int, data: torch.Tensor, device: str = "cpu", **settings) -> int:
-    """The budget in which a build of these settings on `device` holds `rows` rows of `data`."""
-    return rows * out_of_core.bytes_per_row(data.shape[1], data.element_size(), grnnd.BuildParams(**settings), device)
+def budget_for(rows: int, data: torch.Tensor, **settings) -> int:
+    """The budget in which a build of these settings holds `rows` rows of `data`."""
+    return rows * out_of_core.bytes_per_row(data.shape[1], data.element_size(), grnnd.BuildParams(**settings))
 
 
 def recall(data, graph, queries, truth, metric="l2"):
@@ -114,8 +114,7 @@ def test_host_rows_built_on_the_gpu_in_shards(metric):
     data, queries = data[:40_000].contiguous(), data[40_000:].contiguous()
     truth = exact_neighbours(data, queries, 10, metric)[1]
     whole = grnnd.build(data.cuda(), metric=metric).cpu()
-    graph = grnnd.build(data.pin_memory(), metric=metric, device="cuda",
-                        max_gpu_memory=budget_for(12_000, data, "cuda"))
+    graph = grnnd.build(data.pin_memory(), metric=metric, device="cuda", max_gpu_memory=budget_for(12_000, data))
     assert graph.device.type == "cpu"
     check_graph(graph, 40_000)
     r_whole = recall(data, whole, queries, truth, metric)

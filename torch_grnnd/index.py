@@ -100,7 +100,7 @@ class Index:
         if b == 0:
             return
         # Candidates: the nearest live rows a search finds, and the batch's own nearest rows.
-        pool = min(self.build_params.resolved(self.device).pool_size, n)
+        pool = min(self.build_params.pool_size, n)
         live = None if self.removed is None else ~self.removed
         found = ops.search(data, self.graph, vectors, pool, list_size=max(64, pool), filter=live,
                            metric=self.metric)[1] if pool > 0 else vectors.new_zeros(b, 0, dtype=torch.long)

@@ -160,9 +160,8 @@ def _query_outputs(data: Tensor, queries: Tensor, k: int, graph: Optional[Tensor
 
 # Fake kernels receive the arguments as the caller passed them (defaults not filled in).
 @torch.library.register_fake("grnnd::build")
-def _build_fake(data, *, degree=BuildParams.degree, pool_size=BuildParams.pool_size, **_):
-    resolved = BuildParams(degree=degree, pool_size=pool_size).resolved(data.device)
-    return data.new_empty((data.shape[0], resolved.degree), dtype=torch.int32)
+def _build_fake(data, *, degree=BuildParams.degree, **_):
+    return data.new_empty((data.shape[0], degree), dtype=torch.int32)
 
 
 @torch.library.register_fake("grnnd::search")

@@ -68,10 +68,9 @@ def parse_bytes(value: Union[int, float, str]) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def bytes_per_row(dim: int, element_size: int, p: BuildParams, device: Union[str, torch.device]) -> int:
-    """Bytes a build on ``device`` needs per row: the row (and a prepared copy for cosine or a
-    wider dtype), the pools, their counts and locks, the start's cells, and the graph with its fill."""
-    p = p.resolved(device)
+def bytes_per_row(dim: int, element_size: int, p: BuildParams) -> int:
+    """Device bytes a build needs per row: the row (and a prepared copy for cosine or a wider
+    dtype), the pools, their counts and locks, the start's cells, and the graph with its fill."""
     return 2 * dim * max(element_size, 2) + 2 * p.pool_size * 8 + 16 + 12 + 2 * p.degree * 4
 
 
@@ -174,13 +173,12 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    params = params.resolved(device)
     budget = parse_bytes(max_memory) if max_memory is not None else _free_bytes(device)
     n, dim = data.shape
-    rows_per_shard = budget // bytes_per_row(dim, data.element_size(), params, device)
+    rows_per_shard = budget // bytes_per_row(dim, data.element_size(), params)
     if rows_per_shard < 2 * params.pool_size:
         raise ValueError(f"max_gpu_memory: {budget} bytes hold only {rows_per_shard} rows of this build "
-                         f"({bytes_per_row(dim, data.element_size(), params, device)} bytes a row); give it more")
+                         f"({bytes_per_row(dim, data.element_size(), params)} bytes a row); give it more")
     if n <= rows_per_shard:
         return ops.build(data.to(device), params, metric=metric, progress=progress).to(data.device)
     started = time.perf_counter()

@@ -62,17 +62,14 @@ class BuildParams(_Settings):
 
     Attributes:
         degree: out-degree of the returned graph (at most 256): each row keeps what the
-            relative-neighbourhood rule left of its pool and is filled up to the degree with the
-            nearest vertices two hops away, then -1 padded where there are none. 0 (the default):
-            the device's, 64 on CUDA and 32 on the CPU. A CUDA search expands a row's neighbours
-            side by side, so wider rows cost it little: at equal recall degree 64 searched as fast
-            as 32 or faster, and at each list size it found more. A CPU search pays per distance,
-            and there 32 stays faster at equal recall (benchmarks/README.md, "Degree").
-            :meth:`resolved` says what a device uses.
+            relative-neighbourhood rule left of its pool, nearest first, and is filled up to the
+            degree with the nearest vertices two hops away, then -1 padded where there are none;
+            so the degree may exceed ``pool_size``. Degree 64 finds more at each list size, and
+            on the GPU searches clustered synthetic data as fast as 32 at equal recall, but real
+            sentence embeddings 20-35% slower (benchmarks/README.md, "Degree").
         initial_degree: [S] random neighbours each vertex starts with.
         pool_size: [R] capacity of each vertex's candidate pool (at most 256); more finds better
-            neighbours for more memory (2 * N * R * 8 bytes) and time. 0 (the default): the
-            device's, 48 on both.
+            neighbours for more memory (2 * N * R * 8 bytes) and time.
         outer_iters: [T1] outer iterations; each adds reverse edges before the next.
         inner_iters: [T2] update rounds per outer iteration.
         reverse_ratio: [rho] share of each pool, closest first, that gets a reverse edge.
@@ -102,11 +99,6 @@ class BuildParams(_Settings):
     delta: float = _default(_build, "delta")
     start: str = _default(_build, "start")
 
-    def resolved(self, device: "torch.device | str") -> "BuildParams":
-        """These settings with ``degree`` and ``pool_size`` as a build on ``device`` uses them
-        (0 replaced by the device's default, as csrc/params.h does)."""
-        default_degree, default_pool = _DEVICE_DEFAULTS["cuda" if torch.device(device).type == "cuda" else "cpu"]
-        return self.replace(degree=self.degree or default_degree, pool_size=self.pool_size or default_pool)
 
 
 @dataclass(frozen=True, eq=False)  # a filter tensor has no truth value to compare by

@@ -220,7 +220,7 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
   check_build_inputs(data);
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
                                           std::string(update_order), std::string(metric), seed, delta,
-                                          std::string(start), kCpuBuildDefaults);
+                                          std::string(start));
   const int64_t n = data.size(0);
   const at::Tensor x = prepare_vectors(data, p.metric);
   VectorSet vectors{x.data_ptr<float>(), x.size(1), p.metric};

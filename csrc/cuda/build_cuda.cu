@@ -511,7 +511,7 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
   const c10::cuda::CUDAGuard guard(data.device());
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
                                           std::string(update_order), std::string(metric), seed, delta,
-                                          std::string(start), kCudaBuildDefaults);
+                                          std::string(start));
   const int64_t n = data.size(0);
   const at::Tensor init_entries = start_entries(init, data, p);
   const at::Tensor x = prepare_vectors(data, p.metric);
