@@ -201,7 +201,7 @@ def error_of(fn):
         (lambda: torch.randint(0, 5, (10, 4)), {}),
         (lambda: torch.randn(0, 4), {}),
         (lambda: torch.randn(10, 4), {"pool_size": 300}),
-        (lambda: torch.randn(10, 4), {"degree": 64, "pool_size": 48}),
+        (lambda: torch.randn(10, 4), {"degree": 300}),
         (lambda: torch.randn(10, 4), {"metric": "hamming"}),
         (lambda: torch.randn(10, 4), {"update_order": "sideways"}),
         (lambda: torch.randn(10, 4), {"reverse_ratio": 1.5}),
