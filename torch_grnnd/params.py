@@ -31,8 +31,6 @@ def _default(op, name: str):
 
 
 _build = torch.ops.grnnd.build
-# (degree, pool_size) where the build's 0 leaves them to the device: csrc/params.h, BuildDefaults.
-_DEVICE_DEFAULTS = {"cpu": (32, 48), "cuda": (64, 48)}
 _search = torch.ops.grnnd.search
 
 
@@ -98,7 +96,6 @@ class BuildParams(_Settings):
     seed: int = _default(_build, "seed")
     delta: float = _default(_build, "delta")
     start: str = _default(_build, "start")
-
 
 
 @dataclass(frozen=True, eq=False)  # a filter tensor has no truth value to compare by
