@@ -15,8 +15,11 @@ build time (CUDA events), rounds run and the pool entries each changed, the out-
 summary, the share of rows a search cannot reach from the hubs (breadth-first search), and
 recall@10 against exact results (torch_grnnd.knn) and queries/s (batch 10 000) at each list of
 --lists (32, 64 and 128 by default), with the default entry points and with random ones only
-(hub_entries=0), and the peak GPU memory of the build beyond the data. Writes scale_<name>.{json,md,png} (the PNG: recall at
-list 64 against N, with faiss HNSW where --hnsw asked for it).
+(hub_entries=0), the distances a query computes at each list (and HNSW's, for comparisons at
+equal work), recall at list 64 by the size of the query's cluster with the share of results in
+that cluster (lost between clusters, or inside a large one), and the peak GPU memory of the
+build beyond the data. Writes scale_<name>.{json,md,png} (the PNG: recall at list 64 against N,
+with faiss HNSW where --hnsw asked for it).
 """
 import argparse
 import json
@@ -36,8 +39,9 @@ LISTS = (32, 64, 128)  # list sizes measured by default; 64 is the one the PNG a
 QUERIES = 1000
 
 
-def make_set(family: str, n: int, d: int, seed: int = 0, chunk: int = 1 << 20):
-    """(base, queries) float16 on the GPU; rows made chunk by chunk (10M x 1024 is 20 GB)."""
+def make_set(family: str, n: int, d: int, seed: int = 0, chunk: int = 1 << 20, want_labels: bool = False):
+    """(base, queries) float16 on the GPU; rows made chunk by chunk (10M x 1024 is 20 GB). With
+    ``want_labels``, also the cluster of every row: (base, queries, base_labels, query_labels)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     clusters = max(n // 1000, 10)
     centres = torch.randn(clusters, d, generator=g, device="cuda") * 3
@@ -54,10 +58,32 @@ def make_set(family: str, n: int, d: int, seed: int = 0, chunk: int = 1 << 20):
         end = min(total, start + chunk)
         noise = torch.randn(end - start, d, generator=g, device="cuda")
         x[start:end] = (centres[labels[start:end]] + noise).half()
+    if want_labels:
+        return x[:n], x[n:], labels[:n], labels[n:]
     return x[:n], x[n:]
 
 
-def measure(base, queries, truth, settings: dict, lists=LISTS) -> dict:
+# Cluster sizes the queries are grouped by (by_cluster_size).
+SIZE_EDGES = (0, 1_000, 10_000, 100_000, 1_000_000, float("inf"))
+
+
+def by_cluster_size(ids, truth, base_labels, query_labels) -> list:
+    """Recall@10 of the queries grouped by the size of their own cluster, with the share of the
+    returned rows that lie in that cluster: a search lost between clusters returns rows of other
+    clusters, one that reached the right cluster but not its nearest rows returns its own."""
+    sizes = torch.bincount(base_labels, minlength=int(query_labels.max()) + 1)[query_labels]
+    hits = (ids[:, :10, None] == truth[:, None, :10]).any(2).float().mean(1)
+    own = ((base_labels[ids.clamp_min(0)] == query_labels[:, None]) & (ids >= 0)).float().mean(1)
+    groups = []
+    for low, high in zip(SIZE_EDGES, SIZE_EDGES[1:]):
+        member = (sizes >= low) & (sizes < high)
+        if member.any():
+            groups.append({"sizes": [low, None if high == float("inf") else high], "queries": int(member.sum()),
+                           "recall": float(hits[member].mean()), "in_own_cluster": float(own[member].mean())})
+    return groups
+
+
+def measure(base, queries, truth, settings: dict, lists=LISTS, labels=None) -> dict:
     rounds = []
     grnnd.build(base, progress=lambda done, total, changes: rounds.append(changes), **settings)
     # Progress costs a synchronisation per round; time the build again without it, and take the
@@ -76,11 +102,16 @@ def measure(base, queries, truth, settings: dict, lists=LISTS) -> dict:
            "degree_histogram": torch.bincount((graph >= 0).sum(1)).tolist(), "unreachable_from_hubs": unreachable}
     # Recall on the held-out queries; queries/s on a batch of 10 000 (the queries ten times over).
     batch = queries.repeat(10, 1)
+    # Distances a query computes, for comparisons at equal work (HNSW's in hnsw_reference).
+    row["distances_per_query"] = {size: float(grnnd.search_distance_counts(base, graph, queries, 10, list_size=size)
+                                              .float().mean()) for size in lists}
     for entries, key in ((-1, "recall"), (0, "recall_random_entries")):
         row[key], row[key + "_qps"] = {}, {}
         for size in lists:
             _, ids = grnnd.search(base, graph, queries, 10, list_size=size, hub_entries=entries)
             row[key][size] = grnnd.recall(ids, truth, 10)
+            if labels is not None and key == "recall" and size == 64:
+                row["by_cluster_size"] = by_cluster_size(ids, truth, *labels)
             _, secs = cuda_time(lambda: grnnd.search(base, graph, batch, 10, list_size=size, hub_entries=entries),
                                 repeat=5)
             row[key + "_qps"][size] = batch.shape[0] / secs
@@ -97,13 +128,21 @@ def hnsw_reference(base, queries, truth, ef_search=(32, 64, 128)) -> dict:
     x = base.float().cpu().numpy()
     start = time.perf_counter()
     index.add(x)
-    row = {"build_s": time.perf_counter() - start, "threads": faiss.omp_get_max_threads(), "recall": {}}
+    row = {"build_s": time.perf_counter() - start, "threads": faiss.omp_get_max_threads(), "recall": {},
+           "distances_per_query": {}}
     q = queries.float().cpu().numpy()
     for ef in ef_search:
         index.hnsw.efSearch = ef
+        faiss.cvar.hnsw_stats.reset()
         _, ids = index.search(q, 10)
+        row["distances_per_query"][ef] = faiss.cvar.hnsw_stats.ndis / q.shape[0]
         row["recall"][ef] = grnnd.recall(torch.from_numpy(ids).to(truth.device), truth, 10)
     return row
+
+
+def sizes_text(sizes: list) -> str:
+    low, high = sizes
+    return f"{low:,} or more" if high is None else f"{low:,} to {high - 1:,}"
 
 
 def describe(settings: dict) -> str:
@@ -131,12 +170,12 @@ def main():
     for spec in args.sets.split(","):
         family, _, size = spec.partition(":")
         n, d = (int(v) for v in size.split("x"))
-        base, queries = make_set(family, n, d)
+        base, queries, *labels = make_set(family, n, d, want_labels=True)
         truth = grnnd.knn(base, queries, 10)[1]
         grnnd.build(base[:50_000])  # warm-up: kernels loaded, allocator primed
         for text in args.builds:
             settings = parse_build(text)
-            row = {"family": family, "n": n, "d": d, **measure(base, queries, truth, settings, lists)}
+            row = {"family": family, "n": n, "d": d, **measure(base, queries, truth, settings, lists, labels)}
             rows.append(row)
             print(f"{family} {n:>10,} x {d:<5} {describe(settings):<50} build {row['build_s']:7.3f} s, "
                   f"{row['rounds']:2d} rounds, peak extra {row['peak_extra_bytes'] / 2**20:,.0f} MiB "
@@ -145,14 +184,19 @@ def main():
                   f"unreachable {row['unreachable_from_hubs']}, recall@10 list {'/'.join(map(str, lists))} "
                   + "/".join(f"{row['recall'][s]:.3f}" for s in lists) + " (random entries "
                   + "/".join(f"{row['recall_random_entries'][s]:.3f}" for s in lists) + "), queries/s "
-                  + "/".join(f"{row['recall_qps'][s]:,.0f}" for s in lists), flush=True)
+                  + "/".join(f"{row['recall_qps'][s]:,.0f}" for s in lists) + ", distances/query "
+                  + "/".join(f"{row['distances_per_query'][s]:,.0f}" for s in lists), flush=True)
+            for group in row["by_cluster_size"]:
+                print(f"    clusters of {sizes_text(group['sizes'])} rows: {group['queries']} queries, recall@10 list 64 "
+                      f"{group['recall']:.3f}, results in the query's cluster {group['in_own_cluster']:.3f}", flush=True)
         if spec in args.hnsw.split(","):
             ref = hnsw_reference(base, queries, truth, lists)
             rows.append({"family": family, "n": n, "d": d, "hnsw": ref})
             print(f"{family} {n:>10,} x {d:<5} faiss HNSW M=32 efC=40: build {ref['build_s']:.1f} s on "
                   f"{ref['threads']} threads, recall@10 efSearch {'/'.join(map(str, lists))} "
-                  + "/".join(f"{v:.3f}" for v in ref["recall"].values()), flush=True)
-        del base, queries, truth
+                  + "/".join(f"{v:.3f}" for v in ref["recall"].values()) + ", distances/query "
+                  + "/".join(f"{v:,.0f}" for v in ref["distances_per_query"].values()), flush=True)
+        del base, queries, truth, labels
         torch.cuda.empty_cache()
         write(rows, args)  # after every set, so a run cut short keeps what it measured
 
@@ -171,15 +215,24 @@ def write(rows, args):
              "10 000 with the default entry points; peak: GPU memory the build needs beyond the data, against "
              "2 N R 8 bytes + 10%. Degree histograms in the JSON.", "",
              "| data | N | D | build | s | rounds | peak / bound MiB | degree min / p1 / mean | unreachable | "
-             f"recall list {' / '.join(map(str, lists))} (hub entries) | queries/s | (random entries) |",
-             "|---|---:|---:|---|---:|---:|---|---|---:|---|---|---|"]
+             f"recall list {' / '.join(map(str, lists))} (hub entries) | queries/s | (random entries) | "
+             "distances/query |",
+             "|---|---:|---:|---|---:|---:|---|---|---:|---|---|---|---|"]
+    clusters = ["", "Recall@10 at list 64 (default entries) by the size of the query's cluster, and the share "
+                "of returned rows that lie in the query's cluster:", "",
+                "| data | N | D | build | cluster rows | queries | recall | in own cluster |", "|---|---:|---:|---|---|---:|---:|---:|"]
     for r in rows:
         if "hnsw" in r:
             h = r["hnsw"]
             lines.append(f"| {r['family']} | {r['n']:,} | {r['d']} | faiss-cpu HNSW M=32 efC=40 ({h['threads']} threads) | "
                          f"{h['build_s']:.1f} | | | | | " + " / ".join(f"{v:.3f}" for v in h["recall"].values())
-                         + " (efSearch) | | |")
+                         + " (efSearch) | | | " + " / ".join(f"{v:,.0f}" for v in h.get("distances_per_query", {}).values())
+                         + " |")
             continue
+        for group in r.get("by_cluster_size", []):
+            clusters.append(f"| {r['family']} | {r['n']:,} | {r['d']} | {describe(r['build'])} | "
+                            f"{sizes_text(group['sizes'])} | {group['queries']} | {group['recall']:.3f} | "
+                            f"{group['in_own_cluster']:.3f} |")
         deg = r["degree"]
         unreachable = "-" if r["unreachable_from_hubs"] is None else f"{r['unreachable_from_hubs']:.2e}"
         lines.append(f"| {r['family']} | {r['n']:,} | {r['d']} | {describe(r['build'])} | {r['build_s']:.2f} | "
@@ -187,7 +240,10 @@ def write(rows, args):
                      f"{deg['min']} / {deg['p1']:.0f} / {deg['mean']:.1f} | {unreachable} | "
                      + " / ".join(f"{r['recall'][s]:.3f}" for s in lists) + " | "
                      + " / ".join(f"{r['recall_qps'][s] / 1e6:.2f}M" for s in lists) + " | "
-                     + " / ".join(f"{r['recall_random_entries'][s]:.3f}" for s in lists) + " |")
+                     + " / ".join(f"{r['recall_random_entries'][s]:.3f}" for s in lists) + " | "
+                     + " / ".join(f"{r['distances_per_query'][s]:,.0f}" for s in lists) + " |")
+    if len(clusters) > 5:
+        lines += clusters
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     plot(results, base + ".png")
