@@ -83,7 +83,8 @@ def by_cluster_size(ids, truth, base_labels, query_labels) -> list:
     return groups
 
 
-def measure(base, queries, truth, settings: dict, lists=LISTS, labels=None) -> dict:
+def measure(base, queries, truth, settings: dict, lists, labels) -> dict:
+    """One build of base and its search; labels: (base_labels, query_labels), make_set's clusters."""
     rounds = []
     grnnd.build(base, progress=lambda done, total, changes: rounds.append(changes), **settings)
     # Progress costs a synchronisation per round; time the build again without it, and take the
@@ -110,7 +111,7 @@ def measure(base, queries, truth, settings: dict, lists=LISTS, labels=None) -> d
         for size in lists:
             _, ids = grnnd.search(base, graph, queries, 10, list_size=size, hub_entries=entries)
             row[key][size] = grnnd.recall(ids, truth, 10)
-            if labels is not None and key == "recall" and size == 64:
+            if key == "recall" and size == 64:
                 row["by_cluster_size"] = by_cluster_size(ids, truth, *labels)
             _, secs = cuda_time(lambda: grnnd.search(base, graph, batch, 10, list_size=size, hub_entries=entries),
                                 repeat=5)
@@ -226,10 +227,10 @@ def write(rows, args):
             h = r["hnsw"]
             lines.append(f"| {r['family']} | {r['n']:,} | {r['d']} | faiss-cpu HNSW M=32 efC=40 ({h['threads']} threads) | "
                          f"{h['build_s']:.1f} | | | | | " + " / ".join(f"{v:.3f}" for v in h["recall"].values())
-                         + " (efSearch) | | | " + " / ".join(f"{v:,.0f}" for v in h.get("distances_per_query", {}).values())
+                         + " (efSearch) | | | " + " / ".join(f"{v:,.0f}" for v in h["distances_per_query"].values())
                          + " |")
             continue
-        for group in r.get("by_cluster_size", []):
+        for group in r["by_cluster_size"]:
             clusters.append(f"| {r['family']} | {r['n']:,} | {r['d']} | {describe(r['build'])} | "
                             f"{sizes_text(group['sizes'])} | {group['queries']} | {group['recall']:.3f} | "
                             f"{group['in_own_cluster']:.3f} |")
