@@ -100,3 +100,53 @@ def test_cuda_pools_start_as_on_the_cpu(halves):
         cpu = grnnd.build(data, init=init, **settings)
     gpu = grnnd.build(data.cuda(), init=init.cuda(), **settings).cpu()
     assert (cpu == gpu).all(1).float().mean() >= 0.9
+
+
+def test_a_merge_runs_one_outer_iteration_unless_told(halves):
+    data = halves[0][:4000]
+    a, b = grnnd.Index.build(data[:2000]), grnnd.Index.build(data[2000:])
+    for settings, cap in [({}, 8), ({"outer_iters": 3}, 24)]:
+        seen = []
+        grnnd.merge(a, b, progress=lambda done, total: seen.append(total), delta=0.0, inner_iters=8, **settings)
+        assert seen and set(seen) == {cap}, (settings, seen)
+    # The merged index keeps a's settings (a later rebuild is a full one), not the merge's cap.
+    assert grnnd.merge(a, b).build_params.outer_iters == a.build_params.outer_iters
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_large_add_is_a_merge_and_searches_like_a_fresh_build(halves, device, monkeypatch):
+    data, queries, truth = (t.to(device) for t in halves)
+    ids = torch.arange(20_000, device=device) + 10**6
+    merges = []
+    real = grnnd.merging.merge_graphs
+    monkeypatch.setattr(grnnd.merging, "merge_graphs", lambda *a, **kw: merges.append(1) or real(*a, **kw))
+    with one_thread():
+        index = grnnd.Index.build(data[:10_000], ids=ids[:10_000])
+        index.remove(ids[:2])
+        index.add(data[10_000:], ids=ids[10_000:])
+        fresh = grnnd.Index.build(data, ids=ids)
+    assert merges == [1]  # half the index: the batch got its own graph, merged in
+    assert len(index) == 19_998 and torch.equal(index.data, data) and torch.equal(index.ids, ids)
+    assert index.removed.nonzero().flatten().tolist() == [0, 1]
+    found = index.search(queries, 10, list_size=32)[1]
+    assert not torch.isin(found, ids[:2]).any()
+    got = torch.isin(found, ids[truth]).float().sum().item() / truth.numel()
+    assert got >= recall(fresh, queries, ids[truth]) - 0.005
+    assert grnnd.diagnostics.degree_summary(index.graph)["min"] >= 8
+    # A small batch still goes through the search (no merge).
+    index.add(data[:100] + 0.5, ids=torch.arange(100, device=device))
+    assert merges == [1] and len(index) == 20_098
+
+
+def test_a_large_add_that_fails_changes_nothing(halves, monkeypatch):
+    data = halves[0][:4000]
+    index = grnnd.Index.build(data[:2000], ids=torch.arange(2000))
+    before = (index.data, index.graph, index.ids, index.removed)
+
+    def fail(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+    monkeypatch.setattr(grnnd.merging, "merge_graphs", fail)
+    with pytest.raises(torch.OutOfMemoryError):
+        index.add(data[2000:], ids=torch.arange(2000) + 5000)
+    assert all(a is b for a, b in zip(before, (index.data, index.graph, index.ids, index.removed)))
+    assert len(index) == 2000
