@@ -64,15 +64,18 @@ def torch_knn_graph(x: torch.Tensor, clouds: int, k: int) -> torch.Tensor:
     return torch.stack([idx.reshape(-1), center.reshape(-1)])
 
 
+def edge_keys(edge_index: torch.Tensor, nodes: int) -> torch.Tensor:
+    """One int64 per edge (row 0 major), for comparing edge indexes as sets."""
+    return edge_index[0] * nodes + edge_index[1]
+
+
 def same_edges(a: torch.Tensor, b: torch.Tensor, nodes: int) -> bool:
     """Whether two edge indexes hold the same edges, in any order."""
-    key = lambda e: (e[0] * nodes + e[1]).sort().values  # noqa: E731
-    return a.shape == b.shape and torch.equal(key(a), key(b))
+    return a.shape == b.shape and torch.equal(edge_keys(a, nodes).sort().values, edge_keys(b, nodes).sort().values)
 
 
 def edge_recall(found: torch.Tensor, truth: torch.Tensor, nodes: int) -> float:
-    key = lambda e: e[0] * nodes + e[1]  # noqa: E731
-    return torch.isin(key(truth), key(found)).float().mean().item()
+    return torch.isin(edge_keys(truth, nodes), edge_keys(found, nodes)).float().mean().item()
 
 
 DGCNN_CLOUDS, DGCNN_POINTS, DGCNN_K = 32, 1024, 20
