@@ -11,7 +11,10 @@ takes its share as its shard. Rank 0 also runs the one-GPU baselines while the o
              exact neighbours of all N rows, and one GPU's index of all N rows at the same list;
   replicated the index of N / W rows on every rank, the batch split  vs  that index on one GPU;
   exact      distributed.knn of the queries over the shards  vs  grnnd.knn over all N on one GPU.
-Wall-clock seconds after a CUDA synchronisation and a barrier, median of 3. Writes
+Wall-clock seconds after a CUDA synchronisation and a barrier, median of 3 (builds too). Also:
+each rank's own build time (the sharded build waits for the slowest), the steps of a sharded
+search one by one (the collectives' share), the replicated search's recall beside one GPU's, and
+the replicated search at --big-batch queries (the batch repeated), where one GPU is busier. Writes
 distributed_<name>_w<W>.{json,md} under --out (rank 0).
 """
 import argparse
@@ -48,14 +51,64 @@ def seconds(fn, repeat: int = 3, everyone: bool = True):
     return out, statistics.median(times)
 
 
+def timed_locally(fn, into: list):
+    """fn, with this rank's own synchronised seconds appended to ``into`` (before any barrier)."""
+    def run():
+        start = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        into.append(time.perf_counter() - start)
+        return out
+    return run
+
+
+def sharded_search_steps(index, queries: torch.Tensor) -> dict:
+    """Seconds of each step of ``index.search(queries, K, list_size=LIST)`` on this rank, the GPU
+    synchronised after each (the same steps ShardedIndex.search takes)."""
+    from torch_grnnd import distributed as gd
+    steps, last = {}, None
+
+    def mark(name):
+        nonlocal last
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        if name is not None:
+            steps[name] = now - last
+        last = now
+
+    dist.barrier()
+    mark(None)
+    _, _, sizes = gd._setup("steps", None, index.local.data, index.local.metric, queries, k=K, list_size=LIST)
+    mark("agree_s")
+    everyone = gd._all_gather_rows(queries, sizes, None)
+    mark("gather_queries_s")
+    dists, ids = index.local.search(everyone, K, list_size=LIST)
+    mark("local_search_s")
+    dists, ids = gd._exchange(dists, ids, sizes, None)
+    mark("exchange_s")
+    gd._best(dists, ids, K)
+    mark("merge_s")
+    return steps
+
+
 def recall(found: torch.Tensor, truth: torch.Tensor) -> float:
     return torch.isin(found, truth).float().sum().item() / truth.numel()
+
+
+def gather_floats(value: float, world: int) -> list:
+    """Every rank's ``value``, in rank order."""
+    mine = torch.tensor([value], dtype=torch.float64, device="cuda")
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    return [t.item() for t in everyone]
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="clustered:n=10000000,d=384,clusters=10000,queries=10000")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--big-batch", type=int, default=100_000,
+                   help="queries of the second replicated measurement (the query set repeated)")
     args = p.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -70,11 +123,19 @@ def main():
     r = {"data": name, "n": n, "dim": base.shape[1], "world": world, "queries": queries.shape[0], "list_size": LIST,
          "machine": machine(threads=torch.get_num_threads(), cuda=True)}
 
-    sharded, r["sharded_build_s"] = seconds(lambda: grnnd.distributed.ShardedIndex.build(mine), repeat=1)
+    own_builds = []
+    sharded, r["sharded_build_s"] = seconds(
+        timed_locally(lambda: grnnd.distributed.ShardedIndex.build(mine), own_builds))
+    r["rank_build_s"] = gather_floats(statistics.median(own_builds), world)
     (d_sh, i_sh), r["sharded_search_s"] = seconds(lambda: sharded.search(my_queries, K, list_size=LIST))
+    steps = [sharded_search_steps(sharded, my_queries) for _ in range(3)]
+    r["sharded_steps_s"] = {name: gather_floats(statistics.median(s[name] for s in steps), world)
+                            for name in steps[0]}
     (_, i_ex), r["exact_knn_s"] = seconds(lambda: grnnd.distributed.knn(mine, my_queries, K))
     replicated = grnnd.distributed.ReplicatedIndex(grnnd.Index.build(base[:bounds[1]].contiguous()))
-    _, r["replicated_search_s"] = seconds(lambda: replicated.search(queries, K, list_size=LIST))
+    (_, i_rep), r["replicated_search_s"] = seconds(lambda: replicated.search(queries, K, list_size=LIST))
+    big = queries.repeat((args.big_batch + queries.shape[0] - 1) // queries.shape[0], 1)[:args.big_batch]
+    _, r["replicated_big_search_s"] = seconds(lambda: replicated.search(big, K, list_size=LIST))
     # Everyone's answers on rank 0 for the recall (equal shares: all_gather fits).
     gathered = [torch.empty((q_bounds[1] - q_bounds[0], K), dtype=torch.long, device="cuda") for _ in range(world)]
     sizes_equal = len({q_bounds[j + 1] - q_bounds[j] for j in range(world)}) == 1
@@ -88,17 +149,27 @@ def main():
         half = base[:bounds[1]].contiguous()
         one_half, r["one_gpu_build_s"] = seconds(lambda: grnnd.Index.build(half), repeat=1, everyone=False)
         _, r["one_gpu_search_s"] = seconds(lambda: one_half.search(queries, K, list_size=LIST), everyone=False)
-        _, r["one_gpu_replica_search_s"] = seconds(lambda: replicated.index.search(queries, K, list_size=LIST),
-                                                   everyone=False)
+        (_, i_one), r["one_gpu_replica_search_s"] = seconds(
+            lambda: replicated.index.search(queries, K, list_size=LIST), everyone=False)
+        _, r["one_gpu_replica_big_search_s"] = seconds(lambda: replicated.index.search(big, K, list_size=LIST),
+                                                       everyone=False)
+        _, r["one_gpu_share_search_s"] = seconds(
+            lambda: replicated.index.search(queries[:q_bounds[1]], K, list_size=LIST), everyone=False)
         (_, truth), r["one_gpu_exact_knn_s"] = seconds(lambda: grnnd.knn(base, queries, K), everyone=False)
         whole = grnnd.Index.build(base)
         r["one_gpu_whole_recall"] = recall(whole.search(queries, K, list_size=LIST)[1], truth)
+        # Recall of the replicated index (N / W rows) against those rows' own exact neighbours.
+        replica_truth = grnnd.knn(replicated.index.data, queries, K)[1]
+        r["replicated_recall"] = recall(i_rep, replica_truth)
+        r["one_gpu_replica_recall"] = recall(i_one, replica_truth)
         if sizes_equal:
             r["sharded_recall"] = recall(sharded_ids, truth)
             r["exact_equal"] = bool(torch.equal(exact_ids, truth))
         r["build_ratio"] = r["sharded_build_s"] / r["one_gpu_build_s"]
         r["sharded_qps_ratio"] = r["one_gpu_search_s"] / r["sharded_search_s"]
         r["replicated_speedup"] = r["one_gpu_replica_search_s"] / r["replicated_search_s"]
+        r["replicated_big_speedup"] = r["one_gpu_replica_big_search_s"] / r["replicated_big_search_s"]
+        r["collective_share"] = 1 - max(r["sharded_steps_s"]["local_search_s"]) / r["sharded_search_s"]
         r["exact_speedup"] = r["one_gpu_exact_knn_s"] / r["exact_knn_s"]
         print(json.dumps(r), flush=True)
         os.makedirs(args.out, exist_ok=True)
@@ -116,10 +187,20 @@ def main():
                  f"{r.get('sharded_recall', float('nan')):.4f} | {n // world:,} rows: "
                  f"{nq / r['one_gpu_search_s']:,.0f} q/s; all {n:,} rows: recall {r['one_gpu_whole_recall']:.4f} | "
                  f"{r['sharded_qps_ratio']:.2f}x the q/s |",
-                 f"| replicated search ({n // world:,} rows) | {nq / r['replicated_search_s']:,.0f} q/s | "
-                 f"{nq / r['one_gpu_replica_search_s']:,.0f} q/s | {r['replicated_speedup']:.2f}x |",
+                 f"| replicated search ({n // world:,} rows) | {nq / r['replicated_search_s']:,.0f} q/s, recall "
+                 f"{r['replicated_recall']:.4f} | {nq / r['one_gpu_replica_search_s']:,.0f} q/s, recall "
+                 f"{r['one_gpu_replica_recall']:.4f}; {nq // world:,} queries: "
+                 f"{(nq // world) / r['one_gpu_share_search_s']:,.0f} q/s | {r['replicated_speedup']:.2f}x |",
+                 f"| replicated search, {args.big_batch:,} queries | {args.big_batch / r['replicated_big_search_s']:,.0f}"
+                 f" q/s | {args.big_batch / r['one_gpu_replica_big_search_s']:,.0f} q/s | "
+                 f"{r['replicated_big_speedup']:.2f}x |",
                  f"| exact knn | {r['exact_knn_s'] * 1000:.1f} ms (same ids as one GPU: "
                  f"{r.get('exact_equal')}) | {r['one_gpu_exact_knn_s'] * 1000:.1f} ms | {r['exact_speedup']:.2f}x |"]
+        steps = ", ".join(f"{name[:-2].replace('_', ' ')} {' / '.join(f'{t * 1000:.2f}' for t in ts)}"
+                          for name, ts in r["sharded_steps_s"].items())
+        lines += ["", f"Each rank's own build: {', '.join(f'{t:.2f} s' for t in r['rank_build_s'])}. Steps of one "
+                  f"sharded search, ms per rank (synchronised after each): {steps}; the collectives and the "
+                  f"merge are {r['collective_share']:.0%} of the search's time."]
         with open(stem + ".md", "w") as f:
             f.write("\n".join(lines) + "\n")
         print("\n".join(lines))

@@ -32,6 +32,8 @@ from .index import Index
 from .params import BuildParams, SearchParams
 from .progress import Progress
 
+# One all-gather into one tensor: all_gather_single in newer PyTorch, which deprecates the older name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 _METRICS = ["l2", "ip", "cosine"]
 
@@ -62,29 +64,44 @@ def _agree(group: Optional[dist.ProcessGroup], what: str, **fields: int) -> List
 
 
 def _all_gather_rows(t: Tensor, sizes: Sequence[int], group: Optional[dist.ProcessGroup]) -> Tensor:
-    """Every rank's ``t`` ([sizes[r], ...] on rank r), concatenated in rank order."""
+    """Every rank's ``t`` ([sizes[r], ...] on rank r), concatenated in rank order (one collective
+    into one tensor; shorter shares are padded to the longest for it)."""
     device = _comm_device(group)
     most = max(sizes)
-    padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype, device=device)
-    padded[:t.shape[0]] = t.to(device)
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([p[:s] for p, s in zip(parts, sizes)]).to(t.device)
+    mine = t.to(device)
+    if t.shape[0] < most:
+        mine = torch.cat([mine, mine.new_zeros((most - t.shape[0], *t.shape[1:]))])
+    everyone = torch.empty((len(sizes) * most, *t.shape[1:]), dtype=t.dtype, device=device)
+    _all_gather_single(everyone, mine.contiguous(), group=group)
+    if min(sizes) < most:
+        everyone = torch.cat([everyone[r * most:r * most + s] for r, s in enumerate(sizes)])
+    return everyone.to(t.device)
+
+
+def _packed(dists: Tensor, ids: Tensor) -> Tensor:
+    """Results ``(float32 [q, k], int64 [q, k])`` as one int32 tensor [q, k, 3] (the bits of each),
+    so that one collective moves both."""
+    return torch.cat([dists.contiguous().view(torch.int32).unsqueeze(2),
+                      ids.contiguous().view(torch.int32).view(*ids.shape, 2)], dim=2)
+
+
+def _unpacked(packed: Tensor) -> Tuple[Tensor, Tensor]:
+    """Inverse of :func:`_packed`."""
+    return (packed[..., 0].contiguous().view(torch.float32),
+            packed[..., 1:].contiguous().view(torch.int64).squeeze(-1))
 
 
 def _exchange(dists: Tensor, ids: Tensor, sizes: Sequence[int], group: Optional[dist.ProcessGroup]) -> Tuple[Tensor, Tensor]:
     """This rank's answers for every rank's queries (rows in rank order, ``sizes`` each) in, the
-    answers of every rank for this rank's queries out: ``[world, my queries, k]`` each."""
+    answers of every rank for this rank's queries out: ``[world, my queries, k]`` each (one
+    all-to-all)."""
     device, home = _comm_device(group), dists.device
-    rank = dist.get_rank(group)
-    world = len(sizes)
-    out = []
-    for t in (dists, ids):
-        receive = torch.empty((world * sizes[rank], *t.shape[1:]), dtype=t.dtype, device=device)
-        dist.all_to_all_single(receive, t.to(device).contiguous(), output_split_sizes=[sizes[rank]] * world,
-                               input_split_sizes=list(sizes), group=group)
-        out.append(receive.view(world, sizes[rank], *t.shape[1:]).to(home))
-    return out[0], out[1]
+    mine = sizes[dist.get_rank(group)]
+    send = _packed(dists, ids).to(device)
+    receive = torch.empty((len(sizes) * mine, *send.shape[1:]), dtype=send.dtype, device=device)
+    dist.all_to_all_single(receive, send, output_split_sizes=[mine] * len(sizes), input_split_sizes=list(sizes),
+                           group=group)
+    return _unpacked(receive.view(len(sizes), mine, *send.shape[1:]).to(home))
 
 
 def _best(dists: Tensor, ids: Tensor, k: int) -> Tuple[Tensor, Tensor]:
@@ -277,4 +294,4 @@ class ReplicatedIndex:
         mine = queries[bounds[rank]:bounds[rank + 1]]
         dists, ids = self.index.search(mine, params=p)
         sizes = [bounds[r + 1] - bounds[r] for r in range(world)]
-        return _all_gather_rows(dists, sizes, self.group), _all_gather_rows(ids, sizes, self.group)
+        return _unpacked(_all_gather_rows(_packed(dists, ids), sizes, self.group))
