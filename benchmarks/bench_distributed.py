@@ -86,7 +86,7 @@ def sharded_search_steps(index, queries: torch.Tensor) -> dict:
     mark("local_search_s")
     dists, ids = gd._exchange(dists, ids, sizes, None)
     mark("exchange_s")
-    gd._best(dists, ids, K)
+    gd._best(dists, ids, K, ids_follow_ranks=not index.user_ids)
     mark("merge_s")
     return steps
 

@@ -50,9 +50,9 @@ def _agree(group: Optional[dist.ProcessGroup], what: str, **fields: int) -> List
     (fields named ``*_each`` may differ); raises on every rank where they are not."""
     names = list(fields)
     mine = torch.tensor([fields[n] for n in names], dtype=torch.long, device=_comm_device(group))
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    table = [t.tolist() for t in everyone]
+    everyone = torch.empty(dist.get_world_size(group) * len(names), dtype=torch.long, device=mine.device)
+    _all_gather_single(everyone, mine, group=group)
+    table = everyone.view(-1, len(names)).tolist()
     for j, name in enumerate(names):
         if name.endswith("_each"):
             continue
@@ -104,17 +104,19 @@ def _exchange(dists: Tensor, ids: Tensor, sizes: Sequence[int], group: Optional[
     return _unpacked(receive.view(len(sizes), mine, *send.shape[1:]).to(home))
 
 
-def _best(dists: Tensor, ids: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+def _best(dists: Tensor, ids: Tensor, k: int, ids_follow_ranks: bool = False) -> Tuple[Tensor, Tensor]:
     """The k best of ``[world, q, k']`` candidates per query, ascending by (distance, id), padded
-    with (inf, -1) where all shards together have fewer."""
+    with (inf, -1) where all shards together have fewer (each shard's list is ascending by
+    (distance, id), with (inf, -1) after its last find). ``ids_follow_ranks``: every id of a rank
+    is below every id of the ranks after it (rank offsets), so the rank order already breaks
+    distance ties by id and a single sort does."""
     d = dists.permute(1, 0, 2).flatten(1)
     i = ids.permute(1, 0, 2).flatten(1)
-    d = d.masked_fill(i < 0, float("inf"))
-    order = torch.argsort(i, dim=1, stable=True)          # ties by id ...
-    d, i = d.gather(1, order), i.gather(1, order)
-    order = torch.argsort(d, dim=1, stable=True)[:, :k]   # ... then by distance
-    d, i = _padded(d.gather(1, order), i.gather(1, order), k)
-    return d, i.masked_fill(torch.isinf(d), -1)
+    if not ids_follow_ranks:
+        order = torch.argsort(i, dim=1, stable=True)   # ties by id ...
+        d, i = d.gather(1, order), i.gather(1, order)
+    d, order = torch.sort(d, dim=1, stable=True)       # ... then by distance
+    return _padded(d[:, :k], i.gather(1, order[:, :k]), k)
 
 
 def _padded(dists: Tensor, ids: Tensor, k: int) -> Tuple[Tensor, Tensor]:
@@ -155,13 +157,15 @@ def _setup(what: str, group: Optional[dist.ProcessGroup], data: Tensor, metric: 
 
 
 def _search_everywhere(local_search, queries: Tensor, k: int, sizes: Sequence[int],
-                       group: Optional[dist.ProcessGroup]) -> Tuple[Tensor, Tensor]:
+                       group: Optional[dist.ProcessGroup], ids_follow_ranks: bool) -> Tuple[Tensor, Tensor]:
     """Every rank's queries (``sizes`` each) searched on every shard by
-    ``local_search(all_queries, k)``, which returns global ids; this rank's queries' best k."""
+    ``local_search(all_queries, k)``, which returns global ids; this rank's queries' best k.
+    Nothing here waits for the GPU: the search returns once its kernels are queued, and the
+    exchange and the merge queue behind them."""
     everyone = _all_gather_rows(queries, sizes, group)
     dists, ids = local_search(everyone, k)
     dists, ids = _exchange(dists, ids, sizes, group)
-    return _best(dists, ids, k)
+    return _best(dists, ids, k, ids_follow_ranks)
 
 
 def _no_rows(queries: Tensor, k: int) -> Tuple[Tensor, Tensor]:
@@ -187,7 +191,7 @@ def knn(local_data: Tensor, queries: Tensor, k: int, *, metric: ops.Metric = "l2
         dists, ids = ops.knn(local_data, everyone.to(local_data.dtype), min(k, n), metric=metric)
         return _padded(dists, ids + offset, k)
 
-    return _search_everywhere(local, queries, k, sizes, group)
+    return _search_everywhere(local, queries, k, sizes, group, ids_follow_ranks=True)
 
 
 def knn_graph(local_data: Tensor, k: int, *, metric: ops.Metric = "l2",
@@ -216,10 +220,14 @@ class ShardedIndex:
         dists, ids = index.search(my_queries, k=10)    # global ids over all ranks' rows
     """
 
-    def __init__(self, local: Index, offset: int, total: int, group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, local: Index, offset: int, total: int, group: Optional[dist.ProcessGroup] = None,
+                 user_ids: bool = True):
         """Wrap this rank's ``local`` index (whose search returns global ids) of ``total`` rows
-        in all, this shard's first being global id ``offset``."""
+        in all, this shard's first being global id ``offset``. ``user_ids=False`` says the ids
+        are rank offset plus row, so that no id of a rank exceeds one of a later rank (a merge of
+        the shards' answers then needs one sort instead of two)."""
         self.local, self.offset, self.total, self.group = local, offset, total, group
+        self.user_ids = user_ids
 
     @classmethod
     def build(cls, local_data: Tensor, params: Optional[BuildParams] = None, *, metric: ops.Metric = "l2",
@@ -230,10 +238,11 @@ class ShardedIndex:
         local rows (on every rank or none; distinct across all ranks, which is not checked);
         without them a row's id is the rank offset plus its local row."""
         offset, total, _ = _setup("ShardedIndex.build", group, local_data, metric, has_ids=int(ids is not None))
+        user_ids = ids is not None
         if ids is None:
             ids = torch.arange(offset, offset + local_data.shape[0], device=local_data.device)
         local = Index.build(local_data, params, metric=metric, ids=ids, progress=progress, **settings)
-        return cls(local, offset, total, group)
+        return cls(local, offset, total, group, user_ids)
 
     def search(self, queries: Tensor, k: Optional[int] = None, *, params: Optional[SearchParams] = None,
                **settings: Any) -> Tuple[Tensor, Tensor]:
@@ -254,7 +263,7 @@ class ShardedIndex:
             dists, ids = self.local.search(everyone.to(self.local.data.dtype), min(k, n), params=p)
             return _padded(dists, ids, k)
 
-        return _search_everywhere(local, queries, p.k, sizes, self.group)
+        return _search_everywhere(local, queries, p.k, sizes, self.group, ids_follow_ranks=not self.user_ids)
 
     def __len__(self) -> int:
         return self.total
@@ -262,7 +271,8 @@ class ShardedIndex:
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard and where it sits: save one per rank."""
         return {"local": self.local.state_dict(), "offset": self.offset, "total": self.total,
-                "rank": dist.get_rank(self.group), "world_size": dist.get_world_size(self.group)}
+                "user_ids": self.user_ids, "rank": dist.get_rank(self.group),
+                "world_size": dist.get_world_size(self.group)}
 
     @classmethod
     def from_state_dict(cls, state: Dict[str, Any], group: Optional[dist.ProcessGroup] = None) -> "ShardedIndex":
@@ -271,7 +281,8 @@ class ShardedIndex:
         if state.get("world_size") != world or state.get("rank") != rank:
             raise ValueError(f"state: saved by rank {state.get('rank')} of {state.get('world_size')}, loaded by rank "
                              f"{rank} of {world}; load each rank's own state in a group of the same size")
-        return cls(Index.from_state_dict(state["local"]), state["offset"], state["total"], group)
+        return cls(Index.from_state_dict(state["local"]), state["offset"], state["total"], group,
+                   state.get("user_ids", True))
 
 
 @dataclasses.dataclass

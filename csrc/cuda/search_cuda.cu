@@ -572,35 +572,50 @@ __global__ void first_non_finite_row_kernel(const scalar_t* rows, int64_t count,
   }
 }
 
-// The finiteness check of the queries, split around the search: start() queues a kernel that
-// finds the first non-finite row, finish() reads its answer once the search is queued too, and
-// raises. Skipped under CUDA-graph capture (contents_readable); the search orders NaN distances
-// last either way.
+// The finiteness check of the queries, split around the search: the constructor queues a kernel
+// that finds the first non-finite row and the copy of its answer to the host, finish() waits for
+// that copy alone (not for the search queued after it) and raises. So a search returns while its
+// kernels still run, and a caller can queue more work (a collective, a merge) behind them.
+// Skipped under CUDA-graph capture (contents_readable); the search orders NaN distances last
+// either way.
 class QueryCheck {
  public:
   QueryCheck(const at::Tensor& queries, cudaStream_t stream) {
     if (!contents_readable(queries)) return;
     const at::Tensor rows = queries.contiguous();
     rows_ = rows.size(0);
-    first_ = at::full({1}, rows_, rows.options().dtype(at::kLong));
+    const at::Tensor first = at::full({1}, rows_, rows.options().dtype(at::kLong));
     const int64_t count = rows.numel();
     const int blocks = static_cast<int>(std::min<int64_t>((count + 255) / 256, 1024));
     GRNND_DISPATCH_STORAGE(rows.scalar_type(), "first_non_finite_row", [&] {
       first_non_finite_row_kernel<scalar_t><<<blocks, 256, 0, stream>>>(
           rows.data_ptr<scalar_t>(), count, rows.size(1),
-          reinterpret_cast<unsigned long long*>(first_.data_ptr<int64_t>()));
+          reinterpret_cast<unsigned long long*>(first.data_ptr<int64_t>()));
     });
     check_launch();
+    host_first_ = at::empty({1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    host_first_.copy_(first, /*non_blocking=*/true);
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(copied_, stream));
+  }
+
+  QueryCheck(const QueryCheck&) = delete;
+  QueryCheck& operator=(const QueryCheck&) = delete;
+
+  ~QueryCheck() {
+    if (copied_ != nullptr) C10_CUDA_CHECK_WARN(cudaEventDestroy(copied_));
   }
 
   void finish() const {
-    if (!first_.defined()) return;
-    const int64_t row = first_.item<int64_t>();
+    if (copied_ == nullptr) return;
+    C10_CUDA_CHECK(cudaEventSynchronize(copied_));
+    const int64_t row = host_first_.item<int64_t>();
     if (row < rows_) fail_non_finite("queries", row);
   }
 
  private:
-  at::Tensor first_;
+  at::Tensor host_first_;  // pinned
+  cudaEvent_t copied_ = nullptr;  // recorded after the copy to host_first_
   int64_t rows_ = 0;
 };
 
