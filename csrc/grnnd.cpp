@@ -64,10 +64,11 @@ TORCH_LIBRARY(grnnd, m) {
   // The build's relative-neighbourhood rule applied to chosen rows (csrc/prune.h): for each
   // vertices[i], a row of at most `degree` of its candidates[i] (-1 padded, any values; those
   // outside [0, n) are ignored), as editing an index needs; the first `fixed` columns are kept
-  // whatever the rule says. int32 [m, degree].
+  // whatever the rule says; with `shrink`, a full row and its newcomers lose only their surplus.
+  // int32 [m, degree].
   m.def(
       "prune_rows(Tensor data, Tensor vertices, Tensor candidates, int degree, *, str metric=\"l2\", "
-      "bool rule=True, int fixed=0) -> Tensor");
+      "bool rule=True, int fixed=0, bool shrink=False) -> Tensor");
   // graph (as build returns it, rows ascending by distance) with every vertex made reachable from
   // the search's entry points, as the build's last step does (csrc/reachability.h).
   m.def("connect(Tensor data, Tensor graph, *, str metric=\"l2\") -> Tensor");
@@ -107,7 +108,7 @@ TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
   m.impl("knn", [](const at::Tensor&, const at::Tensor&, int64_t, c10::string_view)
                     -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("knn"); });
   m.impl("prune_rows", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, c10::string_view, bool,
-                          int64_t) -> at::Tensor { no_cuda_kernel("prune_rows"); });
+                          int64_t, bool) -> at::Tensor { no_cuda_kernel("prune_rows"); });
   m.impl("connect", [](const at::Tensor&, const at::Tensor&, c10::string_view) -> at::Tensor {
     no_cuda_kernel("connect");
   });

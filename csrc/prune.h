@@ -16,6 +16,13 @@
 //      `degree` are kept. The row's free places then go to the nearest of the ones the rule
 //      dropped, as the build fills its rows after the rule (fill.h).
 //      Without the rule, the nearest `degree` are kept.
+//      With `shrink` (a full row and the new vertices that link to it, in Index.add), instead
+//      only the list's surplus over `degree` goes: walking from the farthest entry u towards the
+//      nearest, a free u is dropped if a nearer entry w of the list covers it (d(w, u) < d(v, u)),
+//      until `degree` remain; where too few are covered, the farthest free ones that are not go
+//      too. A row that takes one new vertex then costs about one pass over its entries, where the
+//      rule (as HNSW and DiskANN re-prune a full list) costs a pass over every pair, and the
+//      entries the build chose for it stay unless one is covered.
 //   4. The row: kept entries in list order (ascending distance), -1 padded to `degree`.
 //
 // Distances are the build's: the metric's on the prepared rows (cosine normalised), inner

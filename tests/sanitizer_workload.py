@@ -129,12 +129,14 @@ def editing(g: torch.Generator):
         for width, degree in [(5, 4), (81, 32), (300, 16), (2048, 64)]:
             candidates = torch.randint(-3, 720, (90, width), generator=g, device="cuda")
             candidates[:, 0] = vertices
-            for rule in (True, False):
-                torch.ops.grnnd.prune_rows(data, vertices, candidates, degree, metric=metric, rule=rule)
+            for rule, shrink in ((True, False), (False, False), (False, True)):
+                torch.ops.grnnd.prune_rows(data, vertices, candidates, degree, metric=metric, rule=rule,
+                                           shrink=shrink)
     data = torch.randn(6000, 16, generator=g, device="cuda")
     index = grnnd.Index.build(data[:4000], degree=16, pool_size=32, outer_iters=2, inner_iters=2)
-    index.add(data[4000:5000])
-    index.add(data[5000:])
+    index.add(data[4000:5000])  # a quarter of the rows: a merge
+    index.add(data[5000:5100])  # reverse edges into full rows
+    index.add(data[5100:])
     index.remove(torch.arange(0, 6000, 7, device="cuda"))
     index.compact()
     index.search(data[:10], 5)

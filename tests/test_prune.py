@@ -14,12 +14,14 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skip
     not torch.cuda.is_available(), reason="needs a CUDA device")])]
 
 
-def reference_row(x, v, candidates, degree, rule, fixed=0):
+def reference_row(x, v, candidates, degree, rule, fixed=0, shrink=False):
     """The recipe of csrc/prune.h for one vertex, in squared l2 on float64 rows."""
     x = x.double()
     valid = [(j, int(u)) for j, u in enumerate(candidates) if 0 <= int(u) < x.shape[0] and int(u) != v]
     pinned = {u for j, u in valid if j < fixed}
     ranked = sorted((float((x[u] - x[v]).pow(2).sum()), u) for u in {u for _, u in valid})[:2 * degree]
+    if shrink:
+        return reference_shrink(x, ranked, pinned, degree)
     kept = []
     for d_vu, u in ranked:
         if len(kept) == degree:
@@ -32,6 +34,23 @@ def reference_row(x, v, candidates, degree, rule, fixed=0):
         if entry not in kept:
             kept.append(entry)
     row = [u for _, u in sorted(kept)]
+    return row + [-1] * (degree - len(row))
+
+
+def reference_shrink(x, ranked, pinned, degree):
+    """Step 3 with ``shrink``: the surplus over degree goes, farthest covered free entries first,
+    then the farthest free ones."""
+    surplus, dropped = len(ranked) - degree, set()
+    for j in reversed(range(len(ranked))):
+        d_vu, u = ranked[j]
+        if surplus > 0 and u not in pinned and any(float((x[w] - x[u]).pow(2).sum()) < d_vu for _, w in ranked[:j]):
+            dropped.add(j)
+            surplus -= 1
+    for j in reversed(range(len(ranked))):
+        if surplus > 0 and j not in dropped and ranked[j][1] not in pinned:
+            dropped.add(j)
+            surplus -= 1
+    row = [u for j, (_, u) in enumerate(ranked) if j not in dropped][:degree]
     return row + [-1] * (degree - len(row))
 
 
@@ -48,12 +67,31 @@ def test_rows_follow_the_recipe_exactly(device, degree, width):
     vertices = torch.randint(0, 400, (60,), generator=g)
     candidates = torch.randint(-2, 420, (60, width), generator=g)  # repeats, -1s, ids >= n, self
     candidates[:, 0] = vertices
-    for rule, fixed in ((True, 0), (False, 0), (True, degree // 2)):
+    for rule, fixed, shrink in ((True, 0, False), (False, 0, False), (True, degree // 2, False), (False, 0, True),
+                                (False, degree // 2, True)):
         got = torch.ops.grnnd.prune_rows(x.to(device), vertices.to(device), candidates.to(device), degree, rule=rule,
-                                         fixed=fixed)
+                                         fixed=fixed, shrink=shrink)
         assert got.dtype == torch.int32 and got.shape == (60, degree)
-        want = [reference_row(x, int(v), c, degree, rule, fixed) for v, c in zip(vertices, candidates)]
-        assert got.cpu().tolist() == want
+        want = [reference_row(x, int(v), c, degree, rule, fixed, shrink) for v, c in zip(vertices, candidates)]
+        assert got.cpu().tolist() == want, (rule, fixed, shrink)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_shrunk_row_keeps_its_entries_and_drops_a_covered_newcomer(device):
+    # Row of vertex 0: the points 1..4 on the axes at distance 1 (none covers another), a
+    # newcomer 5 behind point 1 (covered by it) and a newcomer 6 at distance 2 on a free axis.
+    x = torch.tensor([[0, 0, 0], [1, 0, 0], [0, 1, 0], [-1, 0, 0], [0, -1, 0], [2, 0, 0], [0, 0, 2.]])
+    vertices = torch.tensor([0, 0])
+    candidates = torch.tensor([[1, 2, 3, 4, 5, -1], [1, 2, 3, 4, 6, 5]])
+    got = torch.ops.grnnd.prune_rows(x.to(device), vertices.to(device), candidates.to(device), 4, rule=False,
+                                     shrink=True).cpu()
+    # 5 is covered by 1 and goes; in the second row too few are covered, so the farthest
+    # uncovered (6) goes as well. The rule gives the same rows here, at the cost of every pair
+    # instead of one pass over the row.
+    assert got.tolist() == [[1, 2, 3, 4], [1, 2, 3, 4]]
+    grown = torch.ops.grnnd.prune_rows(x.to(device), vertices.to(device), candidates.to(device), 5, rule=False,
+                                       shrink=True).cpu()
+    assert grown.tolist() == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -77,10 +115,12 @@ def test_cuda_matches_the_cpu(metric):
     x = torch.randn(5000, 48, generator=g)
     vertices = torch.randint(0, 5000, (2000,), generator=g)
     candidates = torch.randint(-1, 5000, (2000, 1100), generator=g)
-    want = torch.ops.grnnd.prune_rows(x, vertices, candidates, 32, metric=metric)
-    got = torch.ops.grnnd.prune_rows(x.cuda(), vertices.cuda(), candidates.cuda(), 32, metric=metric).cpu()
-    # Sums in another order may flip a near tie of the rule; rows must agree all but rarely.
-    assert (got == want).all(1).float().mean() >= 0.99
+    for shrink in (False, True):
+        want = torch.ops.grnnd.prune_rows(x, vertices, candidates, 32, metric=metric, shrink=shrink)
+        got = torch.ops.grnnd.prune_rows(x.cuda(), vertices.cuda(), candidates.cuda(), 32, metric=metric,
+                                         shrink=shrink).cpu()
+        # Sums in another order may flip a near tie of the rule; rows must agree all but rarely.
+        assert (got == want).all(1).float().mean() >= 0.99, shrink
 
 
 @pytest.mark.parametrize("device", DEVICES)

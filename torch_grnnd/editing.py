@@ -20,17 +20,18 @@ CHUNK_ENTRIES = 1 << 26
 
 
 def prune_rows(data: Tensor, metric: str, vertices: Tensor, candidates: Tensor, degree: int,
-               rule: bool = True, fixed: int = 0) -> Tensor:
+               rule: bool = True, fixed: int = 0, shrink: bool = False) -> Tensor:
     """New out-rows for ``vertices`` (int64 [m]) from ``candidates`` (int64 [m, c], -1 padded,
     repeats allowed): int32 [m, degree], ascending by distance, -1 padded.
 
     The build's rule on the nearest 2 x degree candidates, then the nearest dropped ones in the free places;
     with ``rule=False`` the nearest ``degree``, sorted; candidates in the first ``fixed``
-    columns are kept whatever the rule says (``torch.ops.grnnd.prune_rows``, csrc/prune.h).
+    columns are kept whatever the rule says; with ``shrink=True`` only the surplus over
+    ``degree`` goes, farthest covered first (``torch.ops.grnnd.prune_rows``, csrc/prune.h).
     """
     candidates = torch.cat([candidates[:, :fixed], _packed(candidates[:, fixed:])], dim=1)
     return torch.ops.grnnd.prune_rows.default(data, vertices, candidates, degree, metric=metric, rule=rule,
-                                              fixed=fixed)
+                                              fixed=fixed, shrink=shrink)
 
 
 def relabel(entries: Tensor, table: Tensor) -> Tensor:
@@ -98,7 +99,9 @@ def link_new_rows(data: Tensor, metric: str, graph: Tensor, candidates: Tensor) 
     Each new row is pruned from its candidates. Then every row a new row links to takes the new
     vertices that link to it (the reverse edges, which make the new vertices reachable): where
     they fit, beside its entries, sorted by distance; where the row would overflow ``degree``,
-    it is pruned again from both, as HNSW shrinks a full neighbour list.
+    the row and its newcomers lose their surplus, farthest covered entries first
+    (``prune_rows(shrink=True)``: one pass over the row's entries per newcomer, where pruning
+    the whole list again, as HNSW shrinks a full neighbour list, costs a pass over every pair).
     """
     n, degree = graph.shape
     device = graph.device
@@ -127,9 +130,10 @@ def link_new_rows(data: Tensor, metric: str, graph: Tensor, candidates: Tensor) 
     candidates = torch.cat([current.long(), incoming], dim=1)
     overflow = (candidates >= 0).sum(1) > degree
     updated = torch.empty_like(current)
-    for rule in (False, True):
-        chosen = overflow == rule
+    for shrink in (False, True):
+        chosen = overflow == shrink
         if bool(chosen.any()):
-            updated[chosen] = prune_rows(data, metric, rows[chosen], candidates[chosen], degree, rule)
+            updated[chosen] = prune_rows(data, metric, rows[chosen], candidates[chosen], degree, rule=False,
+                                         shrink=shrink)
     new_rows = new_rows.index_copy(0, rows[~old] - n, updated[~old])
     return new_rows, rows[old], updated[old]

@@ -15,7 +15,7 @@ namespace cpu {
 namespace {
 
 at::Tensor prune_rows_cpu(const at::Tensor& data, const at::Tensor& vertices, const at::Tensor& candidates,
-                          int64_t degree, c10::string_view metric_name, bool rule, int64_t fixed) {
+                          int64_t degree, c10::string_view metric_name, bool rule, int64_t fixed, bool shrink) {
   check_prune_inputs(data, vertices, candidates, degree);
   const Metric metric = parse_metric(std::string(metric_name));
   const at::Tensor x = prepare_vectors(data, metric);
@@ -54,9 +54,30 @@ at::Tensor prune_rows_cpu(const at::Tensor& data, const at::Tensor& vertices, co
                            [](const Candidate& a, const Candidate& b) { return a.id == b.id; }),
                list.end());
     if (static_cast<int64_t>(list.size()) > list_size) list.resize(list_size);
-    // 3: the rule, then the fill from what it dropped.
+    // 3: the rule, then the fill from what it dropped; or, shrinking, the covered surplus.
     std::vector<char> kept(list.size(), 0);
     int64_t count = 0;
+    if (shrink) {
+      std::fill(kept.begin(), kept.end(), 1);
+      int64_t surplus = static_cast<int64_t>(list.size()) - degree;
+      for (int64_t j = static_cast<int64_t>(list.size()) - 1; j >= 0 && surplus > 0; --j) {
+        bool covered = false;
+        for (int64_t w = 0; w < j && !covered && list[j].free; ++w) {
+          covered = vectors(list[w].id, list[j].id) < list[j].dist;
+        }
+        if (covered) {
+          kept[j] = 0;
+          --surplus;
+        }
+      }
+      for (int64_t j = static_cast<int64_t>(list.size()) - 1; j >= 0 && surplus > 0; --j) {
+        if (kept[j] && list[j].free) {
+          kept[j] = 0;
+          --surplus;
+        }
+      }
+      count = degree;  // no fill; step 4 takes at most `degree`
+    }
     for (size_t j = 0; j < list.size() && count < degree; ++j) {
       bool keep = true;
       for (size_t w = 0; w < j && keep && rule && list[j].free; ++w) {

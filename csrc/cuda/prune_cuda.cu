@@ -31,6 +31,7 @@ struct PruneArgs {
   int list_size;   // kPruneListFactor x degree
   bool rule;
   int64_t fixed;  // leading columns of `candidates` kept whatever the rule says
+  bool shrink;    // drop only the covered surplus over `degree` (prune.h, step 3)
   int sort_size;  // keys sorted per row: a power of two >= max(width, 32)
   int32_t* out;   // [m, degree]
 };
@@ -113,8 +114,40 @@ __global__ void __launch_bounds__(kWarpSize) prune_kernel(const T* __restrict__ 
   }
   count = min(count, a.list_size);
 
-  // 3. The rule in list order, then the fill from the entries it dropped.
+  // 3. Shrinking: from the farthest entry, drop covered free ones while there are too many.
   int kept_count = 0;
+  if (a.shrink) {
+    for (int j = lane; j < count; j += kWarpSize) flag[j] = 1;
+    __syncwarp();
+    int surplus = count - a.degree;
+    for (int j = count - 1; j >= 0 && surplus > 0; --j) {  // surplus is warp-uniform
+      if ((id[j] & 1u) == 0) continue;
+      const uint32_t u = id[j] >> 1;
+      const float d_vu = dist[j];
+      bool covered = false;
+      for (int g0 = 0; !covered && g0 < j; g0 += kTeams) {
+        const int g = g0 + team;
+        const bool valid = g < j;
+        const float d_wu = prune_distance<TEAM>(x, a, u, valid ? id[g] >> 1 : u, valid, rank);
+        covered = __any_sync(kFullMask, valid && rank == 0 && d_wu < d_vu);
+      }
+      if (covered) {
+        if (lane == 0) flag[j] = 0;
+        --surplus;
+      }
+    }
+    if (lane == 0) {
+      for (int j = count - 1; j >= 0 && surplus > 0; --j) {
+        if (flag[j] && (id[j] & 1u) != 0) {
+          flag[j] = 0;
+          --surplus;
+        }
+      }
+    }
+    kept_count = a.degree;  // no rule, no fill; step 4 takes at most `degree`
+    __syncwarp();
+  }
+  // 3. The rule in list order, then the fill from the entries it dropped.
   for (int j = 0; j < count && kept_count < a.degree; ++j) {
     const uint32_t u = id[j] >> 1;
     const bool free = (id[j] & 1u) != 0;
@@ -151,10 +184,11 @@ __global__ void __launch_bounds__(kWarpSize) prune_kernel(const T* __restrict__ 
     const int j = base + lane;
     const bool take = j < count && flag[j];
     const unsigned mask = __ballot_sync(kFullMask, take);
-    if (take) row[written + __popc(mask & lanes_below(lane))] = static_cast<int32_t>(id[j] >> 1);
+    const int at = written + __popc(mask & lanes_below(lane));
+    if (take && at < a.degree) row[at] = static_cast<int32_t>(id[j] >> 1);
     written += __popc(mask);
   }
-  for (int j = written + lane; j < a.degree; j += kWarpSize) row[j] = -1;
+  for (int j = min(written, a.degree) + lane; j < a.degree; j += kWarpSize) row[j] = -1;
 }
 
 template <typename T, int TEAM>
@@ -165,7 +199,7 @@ void launch(const at::Tensor& x, const PruneArgs& a, int64_t m, cudaStream_t str
 }
 
 at::Tensor prune_rows_cuda(const at::Tensor& data, const at::Tensor& vertices, const at::Tensor& candidates,
-                           int64_t degree, c10::string_view metric_name, bool rule, int64_t fixed) {
+                           int64_t degree, c10::string_view metric_name, bool rule, int64_t fixed, bool shrink) {
   check_prune_inputs(data, vertices, candidates, degree);
   const c10::cuda::CUDAGuard guard(data.device());
   const Metric metric = parse_metric(std::string(metric_name));
@@ -187,6 +221,7 @@ at::Tensor prune_rows_cuda(const at::Tensor& data, const at::Tensor& vertices, c
                     static_cast<int>(kPruneListFactor * degree),
                     rule,
                     fixed,
+                    shrink,
                     next_pow2(static_cast<int>(std::max<int64_t>(cand.size(1), kWarpSize))),
                     out.data_ptr<int32_t>()};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index());
