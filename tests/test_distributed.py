@@ -119,3 +119,23 @@ def test_ranks_agree_with_one_process(world):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_two_ranks_sharing_one_gpu():
     check(run(2, "cuda"), 2)
+
+
+def test_the_merge_of_shard_answers_orders_ties_by_id():
+    # Two shards' sorted answers for two queries, with a distance tie across the shards. With
+    # user ids the lower id must come first whatever shard holds it; with rank-offset ids the
+    # shard order already is the id order, and the single sort must agree with the two.
+    inf = float("inf")
+    dists = torch.tensor([[[1.0, 2.0, inf], [0.5, 3.0, 3.0]],
+                          [[1.0, 1.5, 2.0], [3.0, inf, inf]]])
+    user = torch.tensor([[[70, 10, -1], [4, 8, 9]],
+                         [[20, 30, 40], [5, -1, -1]]])
+    d, i = grnnd.distributed._best(dists, user, 4)
+    assert i.tolist() == [[20, 70, 30, 10], [4, 5, 8, 9]]
+    assert d.tolist() == [[1.0, 1.0, 1.5, 2.0], [0.5, 3.0, 3.0, 3.0]]
+    offsets = torch.tensor([[[0, 1, -1], [2, 3, 4]],
+                            [[10, 11, 12], [13, -1, -1]]])
+    for follow in (False, True):
+        d, i = grnnd.distributed._best(dists, offsets, 5, ids_follow_ranks=follow)
+        assert i.tolist() == [[0, 10, 11, 1, 12], [2, 3, 4, 13, -1]]
+        assert d[1, -1] == inf
