@@ -65,7 +65,7 @@ def timed_locally(fn, into: list):
 def sharded_search_steps(index, queries: torch.Tensor) -> dict:
     """Seconds of each step of ``index.search(queries, K, list_size=LIST)`` on this rank, the GPU
     synchronised after each (the same steps ShardedIndex.search takes)."""
-    from torch_grnnd import distributed as gd
+    gd = grnnd.distributed
     steps, last = {}, None
 
     def mark(name):

@@ -127,13 +127,8 @@ def link_new_rows(data: Tensor, metric: str, graph: Tensor, candidates: Tensor) 
     current = torch.empty(rows.numel(), degree, dtype=torch.int32, device=device)
     current[old] = graph[rows[old]]
     current[~old] = new_rows[rows[~old] - n]
-    candidates = torch.cat([current.long(), incoming], dim=1)
-    overflow = (candidates >= 0).sum(1) > degree
-    updated = torch.empty_like(current)
-    for shrink in (False, True):
-        chosen = overflow == shrink
-        if bool(chosen.any()):
-            updated[chosen] = prune_rows(data, metric, rows[chosen], candidates[chosen], degree, rule=False,
-                                         shrink=shrink)
+    # A row with room keeps all of its entries and newcomers, sorted: a shrink with no surplus.
+    updated = prune_rows(data, metric, rows, torch.cat([current.long(), incoming], dim=1), degree, rule=False,
+                         shrink=True)
     new_rows = new_rows.index_copy(0, rows[~old] - n, updated[~old])
     return new_rows, rows[old], updated[old]

@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kWarpSize) prune_kernel(const T* __restrict__ 
   }
   count = min(count, a.list_size);
 
-  // 3. Shrinking: from the farthest entry, drop covered free ones while there are too many.
+  // 3, shrinking: from the farthest entry, drop covered free ones while there are too many.
   int kept_count = 0;
   if (a.shrink) {
     for (int j = lane; j < count; j += kWarpSize) flag[j] = 1;
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kWarpSize) prune_kernel(const T* __restrict__ 
     kept_count = a.degree;  // no rule, no fill; step 4 takes at most `degree`
     __syncwarp();
   }
-  // 3. The rule in list order, then the fill from the entries it dropped.
+  // 3, otherwise: the rule in list order, then the fill from the entries it dropped.
   for (int j = 0; j < count && kept_count < a.degree; ++j) {
     const uint32_t u = id[j] >> 1;
     const bool free = (id[j] & 1u) != 0;
