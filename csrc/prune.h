@@ -7,15 +7,17 @@
 //   1. Candidates of vertex v: its entries of `candidates` in [0, n), other than v; a repeat
 //      counts once. Those in the first `fixed` columns are fixed: kept whatever the rule says
 //      (a row's own entries that stay, when only its vacated places are to be filled).
-//   2. They are ranked by (d(v, u), u) and only the nearest kPruneListFactor x degree are looked
-//      at (DiskANN's list L): a farther one is almost always blocked by a kept nearer one, and
-//      the rule's cost grows as the square of the list.
+//   2. They are ranked by (d(v, u), u). The list looked at: the nearest kPruneListFactor x degree
+//      free ones (DiskANN's list L: a farther one is almost always blocked by a kept nearer one,
+//      and the rule's cost grows as the square of the list) and the nearest `degree` fixed ones,
+//      however far (a row's long edges, which a search navigates by, must not be pushed out by
+//      near candidates offered beside them), in that order.
 //   3. The rule (seed 000, eq. 2, as the build's update applies it): walking the list in that
-//      order, u is kept if fixed, or unless a kept w is closer to u than v is
-//      (d(w, u) < d(v, u)); at most
-//      `degree` are kept. The row's free places then go to the nearest of the ones the rule
-//      dropped, as the build fills its rows after the rule (fill.h).
-//      Without the rule, the nearest `degree` are kept.
+//      order, a fixed u is kept; a free u is kept while places are left beside the fixed
+//      ones, unless a kept w is closer to u than v is (d(w, u) < d(v, u)). The row's free
+//      places then go to the nearest of the ones the rule dropped, as the build fills its rows
+//      after the rule (fill.h).
+//      Without the rule, the fixed ones and the nearest free ones are kept.
 //      With `shrink` (a full row and the new vertices that link to it, in Index.add), instead
 //      only the list's surplus over `degree` goes: walking from the farthest entry u towards the
 //      nearest, a free u is dropped if a nearer entry w of the list covers it (d(w, u) < d(v, u)),

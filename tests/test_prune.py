@@ -19,15 +19,18 @@ def reference_row(x, v, candidates, degree, rule, fixed=0, shrink=False):
     x = x.double()
     valid = [(j, int(u)) for j, u in enumerate(candidates) if 0 <= int(u) < x.shape[0] and int(u) != v]
     pinned = {u for j, u in valid if j < fixed}
-    ranked = sorted((float((x[u] - x[v]).pow(2).sum()), u) for u in {u for _, u in valid})[:2 * degree]
+    by_distance = sorted((float((x[u] - x[v]).pow(2).sum()), u) for u in {u for _, u in valid})
+    ranked = sorted([e for e in by_distance if e[1] in pinned][:degree] +
+                    [e for e in by_distance if e[1] not in pinned][:2 * degree])
     if shrink:
         return reference_shrink(x, ranked, pinned, degree)
-    kept = []
+    kept, free_places = [], degree - sum(u in pinned for _, u in ranked)
     for d_vu, u in ranked:
-        if len(kept) == degree:
-            break
-        if u in pinned or not rule or all(float((x[w] - x[u]).pow(2).sum()) >= d_vu for _, w in kept):
+        if u in pinned:
             kept.append((d_vu, u))
+        elif free_places > 0 and (not rule or all(float((x[w] - x[u]).pow(2).sum()) >= d_vu for _, w in kept)):
+            kept.append((d_vu, u))
+            free_places -= 1
     for entry in ranked:
         if len(kept) >= degree:
             break
@@ -67,13 +70,30 @@ def test_rows_follow_the_recipe_exactly(device, degree, width):
     vertices = torch.randint(0, 400, (60,), generator=g)
     candidates = torch.randint(-2, 420, (60, width), generator=g)  # repeats, -1s, ids >= n, self
     candidates[:, 0] = vertices
-    for rule, fixed, shrink in ((True, 0, False), (False, 0, False), (True, degree // 2, False), (False, 0, True),
-                                (False, degree // 2, True)):
+    for rule, fixed, shrink in ((True, 0, False), (False, 0, False), (True, degree // 2, False), (True, degree, False),
+                                (False, degree, False), (False, 0, True), (False, degree // 2, True)):
         got = torch.ops.grnnd.prune_rows(x.to(device), vertices.to(device), candidates.to(device), degree, rule=rule,
                                          fixed=fixed, shrink=shrink)
         assert got.dtype == torch.int32 and got.shape == (60, degree)
         want = [reference_row(x, int(v), c, degree, rule, fixed, shrink) for v, c in zip(vertices, candidates)]
         assert got.cpu().tolist() == want, (rule, fixed, shrink)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fixed_entries_stay_however_far(device):
+    # Vertex 0's own row holds far entries (the long edges a graph navigates by); the many near
+    # candidates offered beside them must not push them out of the list or the row.
+    g = torch.Generator().manual_seed(7)
+    near = torch.randn(200, 8, generator=g) * 0.1
+    far = torch.randn(6, 8, generator=g) * 10
+    x = torch.cat([torch.zeros(1, 8), far, near])
+    own = torch.arange(1, 7)
+    candidates = torch.cat([own, torch.arange(7, 207)]).unsqueeze(0)
+    for rule in (True, False):
+        got = torch.ops.grnnd.prune_rows(x.to(device), torch.tensor([0], device=device), candidates.to(device), 16,
+                                         rule=rule, fixed=6).cpu()[0]
+        assert set(own.tolist()) <= set(got.tolist()), rule
+        assert (got >= 0).all(), rule  # the free places are filled from the near ones
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -33,8 +33,8 @@ at::Tensor prune_rows_cpu(const at::Tensor& data, const at::Tensor& vertices, co
 
   parallel_dynamic(m, 16, [&](int64_t r) {
     const int64_t v = vp[r];
-    // 1-2: the distinct candidates by (distance, id), the nearest list_size of them; of two
-    // copies of an id the fixed one (free = 0) sorts first and stays.
+    // 1-2: the distinct candidates by (distance, id); of two copies of an id the fixed one
+    // (free = 0) sorts first and stays.
     struct Candidate {
       float dist;
       int64_t id;
@@ -53,7 +53,16 @@ at::Tensor prune_rows_cpu(const at::Tensor& data, const at::Tensor& vertices, co
     list.erase(std::unique(list.begin(), list.end(),
                            [](const Candidate& a, const Candidate& b) { return a.id == b.id; }),
                list.end());
-    if (static_cast<int64_t>(list.size()) > list_size) list.resize(list_size);
+    // The list: the nearest `degree` fixed ones and the nearest list_size free ones, in order.
+    int64_t fixed_in_list = 0, free_in_list = 0;
+    size_t listed = 0;
+    for (const Candidate& e : list) {
+      if (e.free ? free_in_list < list_size : fixed_in_list < degree) {
+        (e.free ? free_in_list : fixed_in_list) += 1;
+        list[listed++] = e;
+      }
+    }
+    list.resize(listed);
     // 3: the rule, then the fill from what it dropped; or, shrinking, the covered surplus.
     std::vector<char> kept(list.size(), 0);
     int64_t count = 0;
@@ -78,13 +87,17 @@ at::Tensor prune_rows_cpu(const at::Tensor& data, const at::Tensor& vertices, co
       }
       count = degree;  // no fill; step 4 takes at most `degree`
     }
-    for (size_t j = 0; j < list.size() && count < degree; ++j) {
+    // Every fixed entry is kept; the free ones share the places the fixed ones leave.
+    int64_t free_places = shrink ? 0 : degree - fixed_in_list;
+    for (size_t j = 0; j < list.size() && !shrink; ++j) {
+      if (list[j].free && free_places == 0) continue;
       bool keep = true;
       for (size_t w = 0; w < j && keep && rule && list[j].free; ++w) {
         keep = !(kept[w] && vectors(list[w].id, list[j].id) < list[j].dist);
       }
       kept[j] = keep;
       count += keep;
+      free_places -= keep && list[j].free;
     }
     for (size_t j = 0; j < list.size() && count < degree; ++j) {
       if (!kept[j]) {

@@ -536,8 +536,10 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
   const at::TensorOptions on_device = at::TensorOptions().device(data.device());
   at::Tensor slots, dists, counts, locks, changes;
   try {
-    slots = at::empty({2, n, capacity}, on_device.dtype(at::kInt));
-    dists = at::empty({2, n, capacity}, on_device.dtype(at::kFloat));
+    // Zeroed, not empty: a reverse step copies whole buffers, the unused tail of every row too,
+    // and a copy of never-written memory is what initcheck reports (a memset of a few ms at 10M).
+    slots = at::zeros({2, n, capacity}, on_device.dtype(at::kInt));
+    dists = at::zeros({2, n, capacity}, on_device.dtype(at::kFloat));
     counts = at::empty({2, n}, on_device.dtype(at::kInt));
     locks = at::zeros({n}, on_device.dtype(at::kInt));
     changes = at::zeros({n}, on_device.dtype(at::kInt));

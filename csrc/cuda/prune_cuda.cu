@@ -28,7 +28,7 @@ struct PruneArgs {
   Metric metric;
   const float* lift;  // inner product only (prune.h), else null
   int degree;
-  int list_size;   // kPruneListFactor x degree
+  int list_size;   // free candidates looked at: kPruneListFactor x degree
   bool rule;
   int64_t fixed;  // leading columns of `candidates` kept whatever the rule says
   bool shrink;    // drop only the covered surplus over `degree` (prune.h, step 3)
@@ -36,11 +36,14 @@ struct PruneArgs {
   int32_t* out;   // [m, degree]
 };
 
+// Entries of a row's list: list_size free ones and up to `degree` fixed ones (prune.h, step 2).
+__host__ __device__ inline int list_capacity(const PruneArgs& a) { return a.list_size + a.degree; }
+
 // Shared memory of a row: sort keys (distance, id), then the kept list positions, then a flag per
 // list position.
 size_t prune_scratch_bytes(const PruneArgs& a) {
   return static_cast<size_t>(a.sort_size) * (sizeof(float) + sizeof(uint32_t)) +
-         static_cast<size_t>(a.degree + a.list_size) * sizeof(int);
+         static_cast<size_t>(a.degree + list_capacity(a)) * sizeof(int);
 }
 
 // The build's distance between rows u and w (prune.h), by the lanes of the calling team.
@@ -78,7 +81,7 @@ __global__ void __launch_bounds__(kWarpSize) prune_kernel(const T* __restrict__ 
     id[j] = key;
     dist[j] = std::numeric_limits<float>::infinity();
   }
-  for (int j = lane; j < a.list_size; j += kWarpSize) flag[j] = 0;
+  for (int j = lane; j < list_capacity(a); j += kWarpSize) flag[j] = 0;
   __syncwarp();
   for (int g0 = 0; g0 < a.width; g0 += kTeams) {
     const int g = g0 + team;
@@ -89,30 +92,41 @@ __global__ void __launch_bounds__(kWarpSize) prune_kernel(const T* __restrict__ 
   __syncthreads();
   bitonic<false>(dist, id, a.sort_size);
 
-  // 2. Repeats are adjacent now: keep the first of each (the fixed one where there is one), up
-  // to list_size, compacted in place.
+  // 2. Repeats are adjacent now: keep the first of each (the fixed one where there is one), the
+  // nearest list_size free ones and `degree` fixed ones, compacted in place.
   // A chunk's entries are all read before any of its writes, and writes land at or below the
   // entry read, so no entry is overwritten before it is read.
-  int count = 0;
+  int count = 0, free_count = 0;
+  int fixed_count = a.fixed > 0 ? 0 : a.degree;  // no fixed column: that quota is full
   uint32_t before = 0xffffffffu;  // the key ahead of the chunk, as it was before compaction
-  for (int base = 0; base < a.sort_size && count < a.list_size; base += kWarpSize) {
+  for (int base = 0; base < a.sort_size && (free_count < a.list_size || fixed_count < a.degree);
+       base += kWarpSize) {
     const uint32_t u = id[base + lane];
     const float d = dist[base + lane];
     uint32_t previous = __shfl_up_sync(kFullMask, u, 1);
     if (lane == 0) previous = before;
     before = __shfl_sync(kFullMask, u, kWarpSize - 1);
     const bool fresh = u != kEmptyId && (u >> 1) != (previous >> 1);
-    const unsigned mask = __ballot_sync(kFullMask, fresh);
-    const int at = count + __popc(mask & lanes_below(lane));
+    const bool is_free = (u & 1u) != 0;
+    const unsigned below = lanes_below(lane);
+    const unsigned free_mask = __ballot_sync(kFullMask, fresh && is_free);
+    const unsigned fixed_mask = __ballot_sync(kFullMask, fresh && !is_free);
+    const bool take = fresh && (is_free ? free_count + __popc(free_mask & below) < a.list_size
+                                        : fixed_count + __popc(fixed_mask & below) < a.degree);
+    const unsigned take_mask = __ballot_sync(kFullMask, take);
+    const int at = count + __popc(take_mask & below);
     __syncwarp();
-    if (fresh && at < a.list_size) {
+    if (take) {
       id[at] = u;
       dist[at] = d;
     }
-    count += __popc(mask);
+    count += __popc(take_mask);
+    free_count = min(a.list_size, free_count + __popc(free_mask));
+    fixed_count = min(a.degree, fixed_count + __popc(fixed_mask));
     __syncwarp();
+    if (__any_sync(kFullMask, u == kEmptyId)) break;  // the empty keys sort last
   }
-  count = min(count, a.list_size);
+  const int fixed_listed = a.fixed > 0 ? fixed_count : 0;
 
   // 3, shrinking: from the farthest entry, drop covered free ones while there are too many.
   int kept_count = 0;
@@ -147,10 +161,13 @@ __global__ void __launch_bounds__(kWarpSize) prune_kernel(const T* __restrict__ 
     kept_count = a.degree;  // no rule, no fill; step 4 takes at most `degree`
     __syncwarp();
   }
-  // 3, otherwise: the rule in list order, then the fill from the entries it dropped.
-  for (int j = 0; j < count && kept_count < a.degree; ++j) {
+  // 3, otherwise: the rule in list order (every fixed entry kept, the free ones in the places
+  // left beside them), then the fill from the entries it dropped.
+  int free_places = a.shrink ? 0 : a.degree - fixed_listed;
+  for (int j = 0; j < count && !a.shrink; ++j) {  // warp-uniform
     const uint32_t u = id[j] >> 1;
     const bool free = (id[j] & 1u) != 0;
+    if (free && free_places == 0) continue;
     const float d_vu = dist[j];
     bool keep = true;
     for (int g0 = 0; a.rule && free && keep && g0 < kept_count; g0 += kTeams) {
@@ -165,6 +182,7 @@ __global__ void __launch_bounds__(kWarpSize) prune_kernel(const T* __restrict__ 
         flag[j] = 1;
       }
       ++kept_count;
+      free_places -= free;
       __syncwarp();
     }
   }
