@@ -129,9 +129,10 @@ def editing(g: torch.Generator):
         for width, degree in [(5, 4), (81, 32), (300, 16), (2048, 64)]:
             candidates = torch.randint(-3, 720, (90, width), generator=g, device="cuda")
             candidates[:, 0] = vertices
-            for rule, shrink in ((True, False), (False, False), (False, True)):
+            for rule, fixed, shrink in ((True, 0, False), (False, 0, False), (False, 0, True), (True, degree, False),
+                                        (False, degree // 2, True)):
                 torch.ops.grnnd.prune_rows(data, vertices, candidates, degree, metric=metric, rule=rule,
-                                           shrink=shrink)
+                                           fixed=min(fixed, width), shrink=shrink)
     data = torch.randn(6000, 16, generator=g, device="cuda")
     index = grnnd.Index.build(data[:4000], degree=16, pool_size=32, outer_iters=2, inner_iters=2)
     index.add(data[4000:5000])  # a quarter of the rows: a merge
