@@ -51,6 +51,19 @@ class Pools {
   const float* dists(int buf, int64_t v) const { return dists_[buf].data() + v * capacity_; }
   void clear(int buf) { std::fill(counts_[buf].begin(), counts_[buf].end(), 0); }
 
+  // The cache lines an insert into v's pool will touch, requested ahead of it.
+  void prefetch(int buf, int64_t v) const {
+    const char* slot = reinterpret_cast<const char*>(slots_[buf].data() + v * capacity_);
+    const char* dist = reinterpret_cast<const char*>(dists_[buf].data() + v * capacity_);
+    const int64_t bytes = capacity_ * static_cast<int64_t>(sizeof(uint32_t));
+    for (int64_t off = 0; off < bytes; off += 64) {
+      __builtin_prefetch(slot + off, 1);
+      __builtin_prefetch(dist + off, 1);
+    }
+    __builtin_prefetch(counts_[buf].data() + v, 1);
+    __builtin_prefetch(&locks_[v], 1);
+  }
+
   void copy(int from, int to) {
     slots_[to] = slots_[from];
     dists_[to] = dists_[from];
@@ -153,16 +166,26 @@ void visit_order(const Pools& pools, int buf, int64_t v, uint32_t round, const B
 // closer to each other than the farther one is to v, the farther one is handed to the closer
 // one's next pool and dropped from v's. What survives goes to v's next pool as old entries.
 // Returns how many of the handed-over entries changed a pool (the convergence measure).
+//
+// The hand-overs are decided first and inserted after, as the CUDA kernel does: the walk reads
+// only buffer `read`, so the pools end the same (an insert keeps the pool's best entries, in
+// whatever order they come), and the target pools, scattered over memory, are prefetched while
+// the walk goes on instead of each insert waiting for its own.
+struct HandOver {
+  int32_t to, id;
+  float dist;
+};
+
 int update_vertex(const VectorSet& vectors, Pools& pools, int read, int64_t v, uint32_t round,
                   const BuildParams& p, std::vector<int>& order, std::vector<uint32_t>& keys,
-                  std::vector<int>& kept) {
+                  std::vector<int>& kept, std::vector<HandOver>& moves) {
   const int write = read ^ 1;
   const uint32_t* slot = pools.slots(read, v);
   const float* dist = pools.dists(read, v);
   visit_order(pools, read, v, round, p, order, keys);
   for (int i = 0; i < pools.count(read, v); ++i) vectors.prefetch(slot_id(slot[i]));
   kept.clear();
-  int changes = 0;
+  moves.clear();
   for (const int i : order) {
     const int32_t a = slot_id(slot[i]);
     bool keep = true;
@@ -176,11 +199,13 @@ int update_vertex(const VectorSet& vectors, Pools& pools, int read, int64_t v, u
       const float d_ab = vectors(a, b);
       if (d_ab < std::max(dist[i], dist[b_index])) {
         if (dist[i] >= dist[b_index]) {  // a is the farther one: it moves to b
-          changes += pools.insert(write, b, a, d_ab, true);
+          moves.push_back({b, a, d_ab});
+          pools.prefetch(write, b);
           keep = false;
           break;
         }
-        changes += pools.insert(write, a, b, d_ab, true);  // b is the farther one: it moves to a
+        moves.push_back({a, b, d_ab});  // b is the farther one: it moves to a
+        pools.prefetch(write, a);
         kept.erase(kept.begin() + j);
         continue;
       }
@@ -188,6 +213,8 @@ int update_vertex(const VectorSet& vectors, Pools& pools, int read, int64_t v, u
     }
     if (keep) kept.push_back(i);
   }
+  int changes = 0;
+  for (const HandOver& m : moves) changes += pools.insert(write, m.to, m.id, m.dist, true);
   for (const int i : kept) pools.insert(write, v, slot_id(slot[i]), dist[i], false);
   return changes;
 }
@@ -240,8 +267,9 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
         std::atomic<int64_t> changes{0};
         parallel_dynamic(n, 64, [&](int64_t v) {
           thread_local std::vector<int> order_of, kept;
+          thread_local std::vector<HandOver> moves;
           thread_local std::vector<uint32_t> keys;
-          const int changed = update_vertex(vectors, pools, read, v, round, iteration, order_of, keys, kept);
+          const int changed = update_vertex(vectors, pools, read, v, round, iteration, order_of, keys, kept, moves);
           if (changed > 0) changes.fetch_add(changed, std::memory_order_relaxed);
         });
         read ^= 1;
