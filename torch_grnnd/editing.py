@@ -26,7 +26,8 @@ def prune_rows(data: Tensor, metric: str, vertices: Tensor, candidates: Tensor, 
 
     The build's rule on the nearest 2 x degree candidates, then the nearest dropped ones in the free places;
     with ``rule=False`` the nearest ``degree``, sorted; candidates in the first ``fixed``
-    columns are kept whatever the rule says; with ``shrink=True`` only the surplus over
+    columns are kept whatever the rule says and however far (the nearest ``degree`` of them),
+    the others take the places left; with ``shrink=True`` only the surplus over
     ``degree`` goes, farthest covered first (``torch.ops.grnnd.prune_rows``, csrc/prune.h).
     """
     candidates = torch.cat([candidates[:, :fixed], _packed(candidates[:, fixed:])], dim=1)
