@@ -204,6 +204,20 @@ def test_knn_segments_cuda_equals_cpu_bit_for_bit(dim, k, sorted_queries):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dim", [6, 17, 64, 130])
+@pytest.mark.parametrize("k", [9, 20, 40])
+def test_knn_segments_cuda_equals_cpu_with_many_ties(dim, k):
+    # Small integer coordinates: many rows at equal distances, the lower row first on both, and
+    # many candidates queued at the k-th best's distance (csrc/cuda/knn_segments_cuda.cu).
+    x, y, ptr_x, batch_y = segment_problem(dim, seed=dim * k, sorted_queries=False)
+    x, y = x.round().clamp(-1, 1), y.round().clamp(-1, 1)
+    cpu = torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y, k)
+    gpu = torch.ops.grnnd.knn_segments(x.cuda(), y.cuda(), ptr_x.cuda(), batch_y.cuda(), k)
+    assert torch.equal(cpu[1], gpu[1].cpu()) and torch.equal(cpu[0], gpu[0].cpu())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("k", [5, 40])
 def test_knn_segments_cuda_equals_cpu_on_large_batches(k):
     # A batch of many small examples, some smaller than k: 700 examples of 1 to 199 rows.

@@ -166,7 +166,8 @@ def _knn_found(x: Tensor, y: Tensor, k: int, batch_x: Optional[Tensor], batch_y:
     x, y, segments = _segments(x, y, batch_x, batch_y, batch_size)
     if segments is None:
         return x, y, None
-    xs, ys = _search_space(x, cosine), _search_space(y, cosine)
+    xs = _search_space(x, cosine)
+    ys = xs if y is x else _search_space(y, cosine)  # knn_graph: one conversion
     if approximate:
         return x, y, _approximate(xs, ys, *segments, k)
     return x, y, torch.ops.grnnd.knn_segments.default(xs, ys, *segments, k)
@@ -184,7 +185,8 @@ def _within(x: Tensor, y: Tensor, r: float, batch_x: Optional[Tensor], batch_y: 
     x, y, segments = _segments(x, y, batch_x, batch_y, batch_size)
     if segments is None:
         return x, y, None
-    return x, y, torch.ops.grnnd.knn_segments.default(_search_space(x, False), _search_space(y, False), *segments,
+    xs = _search_space(x, False)
+    return x, y, torch.ops.grnnd.knn_segments.default(xs, xs if y is x else _search_space(y, False), *segments,
                                                       max_num_neighbors)
 
 
@@ -226,17 +228,25 @@ def _segments(x: Tensor, y: Tensor, batch_x: Optional[Tensor], batch_y: Optional
     if batch_x is None:
         ptr_x = torch.tensor([0, x.shape[0]], device=x.device)
     else:
-        ptr_x = torch.bucketize(torch.arange(batch_size + 1, device=x.device), batch_x.long())
+        ptr_x = torch.bucketize(torch.arange(batch_size + 1, device=x.device), _as_long(batch_x))
     if batch_y is None:
         batch_y = torch.zeros(y.shape[0], dtype=torch.long, device=y.device)
-    return x, y, (ptr_x, batch_y.long())
+    return x, y, (ptr_x, _as_long(batch_y))
+
+
+# The conversions below are skipped when there is nothing to convert: each torch call costs
+# microseconds of host time, which a k-NN graph of a batch of small clouds on a GPU
+# (a fraction of a millisecond of kernels) shows.
+def _as_long(batch: Tensor) -> Tensor:
+    return batch if batch.dtype == torch.long else batch.long()
 
 
 def _search_space(points: Tensor, cosine: bool) -> Tensor:
-    points = points.float()
+    if points.dtype != torch.float32:
+        points = points.float()
     if cosine:  # on unit rows |a - b|^2 = 2 (1 - cos): the same order as 1 - cos
         points = torch.nn.functional.normalize(points, dim=1)
-    return points.contiguous()
+    return points if points.is_contiguous() else points.contiguous()
 
 
 def _approximate(xs: Tensor, ys: Tensor, ptr_x: Tensor, batch_y: Tensor, k: int) -> Tuple[Tensor, Tensor]:

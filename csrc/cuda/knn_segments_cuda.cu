@@ -33,6 +33,16 @@
 // ms against 0.61 ms, before the queue and the fused add); with the queue, rows in groups of 8,
 // blocks of 32 or 128 queries and queues of 8 or 32 were no faster. ncu of the d = 64 kernel
 // with the queue: 163 registers a thread, 1.9 warps a scheduler, 0.64 instructions issued a cycle.
+//
+// A tile's rows are read into registers while the tile before is scanned, as float4 where the
+// rows allow (benchmarks/profile_pyg.py, one H100, the op alone against the kernel before in
+// the same run): d = 64 0.41 ms against 0.48, d = 100 0.73 against 0.86, d = 8 0.24 against
+// 0.32, d = 3 0.19 against 0.22; 8 clouds x 16 384 points, d = 64: 17.1 against 17.3 ms.
+// Splitting a query's dimensions over four lanes (four times the warps, each lane a list of
+// its own over a quarter of the rows, merged at the end; the CPU's sum in the same four
+// parts) was slower at every d: at d = 64, 0.58 ms against 0.43 (32 x 1024) and 24.4 against
+// 16.7 ms (8 x 16 384); ncu counted 335M instructions against 234M, the lists' insertions
+// most of the difference.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -136,6 +146,7 @@ struct SegmentArgs {
   const int64_t* batch;  // [ny]
   int64_t nx, ny, examples;
   int dim, k;
+  bool rows_aligned;  // dim % 4 == 0 and x 16-byte aligned: rows are read as float4
   float* out_d;    // [ny, k]; +inf filled for RowBest
   int64_t* out_i;  // [ny, k]; -1 filled for RowBest
 };
@@ -195,17 +206,51 @@ __global__ void __launch_bounds__(kQueries) knn_segments_kernel(SegmentArgs a) {
     queued = 0;
   };
 
-  float* staged = reinterpret_cast<float*>(tile);
+  // The tiles' passes in order, each read from memory into registers (`next`) while the one
+  // before is being scanned, then stored to shared memory: the loads' latency hides behind the
+  // scan. Rows of a multiple of 4 floats at a 16-byte aligned address are read as float4.
+  constexpr int kTile4 = kTileRows * kDimChunk / 4;  // float4 slots of a tile
+  constexpr int kStaged = (kTile4 + kQueries - 1) / kQueries;
+  float4 next[kStaged];
+  auto fetch = [&](int64_t t0, int j0) {
+#pragma unroll
+    for (int s = 0; s < kStaged; ++s) {
+      const int e4 = threadIdx.x + s * kQueries;
+      const int64_t row = t0 + e4 / (kDimChunk / 4);
+      const int j = j0 + 4 * (e4 % (kDimChunk / 4));
+      const float* from = a.x + row * a.dim + j;
+      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (e4 < kTile4 && row < end && j < a.dim) {
+        if (a.rows_aligned) {
+          v = __ldg(reinterpret_cast<const float4*>(from));
+        } else {
+          v.x = __ldg(from);
+          if (j + 1 < a.dim) v.y = __ldg(from + 1);
+          if (j + 2 < a.dim) v.z = __ldg(from + 2);
+          if (j + 3 < a.dim) v.w = __ldg(from + 3);
+        }
+      }
+      next[s] = v;
+    }
+  };
+  if (begin < end) fetch(begin, 0);
+
   for (int64_t t0 = begin; t0 < end; t0 += kTileRows) {
     const int rows_here = static_cast<int>(std::min<int64_t>(kTileRows, end - t0));
     for (int j0 = 0; j0 < a.dim; j0 += kDimChunk) {
       if (!one_pass) load_query(j0);
       __syncthreads();  // the previous pass is done reading the tile
-      for (int e = threadIdx.x; e < kTileRows * kDimChunk; e += kQueries) {
-        const int r = e / kDimChunk, j = e % kDimChunk;
-        staged[e] = r < rows_here && j0 + j < a.dim ? a.x[(t0 + r) * a.dim + j0 + j] : 0.0f;
+#pragma unroll
+      for (int s = 0; s < kStaged; ++s) {
+        const int e4 = threadIdx.x + s * kQueries;
+        if (e4 < kTile4) tile[e4 / (kDimChunk / 4)][e4 % (kDimChunk / 4)] = next[s];
       }
       __syncthreads();
+      if (j0 + kDimChunk < a.dim) {
+        fetch(t0, j0 + kDimChunk);
+      } else if (t0 + kTileRows < end) {
+        fetch(t0 + kTileRows, 0);
+      }
       const bool first = j0 == 0, last = j0 + kDimChunk >= a.dim;
       // A group of rows at a time: their distances are independent chains the scheduler can
       // interleave. Padding adds (0 - 0)^2 = +0 after the real dimensions, which leaves each sum
@@ -297,6 +342,7 @@ std::tuple<at::Tensor, at::Tensor> knn_segments_cuda(const at::Tensor& x, const 
   args.examples = ptr.size(0) - 1;
   args.dim = static_cast<int>(xs.size(1));
   args.k = static_cast<int>(k);
+  args.rows_aligned = args.dim % 4 == 0 && reinterpret_cast<uintptr_t>(args.x) % 16 == 0;
   args.out_d = out_d.data_ptr<float>();
   args.out_i = out_i.data_ptr<int64_t>();
   // Point clouds (3 to 6 coordinates), small features, and wide features in passes of 64.
