@@ -87,7 +87,8 @@ def daily_inserts(base, queries, device) -> dict:
             adds.append(secs)
         sequences.append(adds)
     return {"fresh_build_s": fresh_s, "build_90_s": build_s, "add_s": sequences[0], "add_again_s": sequences[1],
-            "rows_per_add": step, "recall": recall(index, queries, truth), "fresh_recall": recall(fresh, queries, truth)}
+            "rows_per_add": step, "recall": recall(index, queries, truth),
+            "fresh_recall": recall(fresh, queries, truth)}
 
 
 def bulk_growth(base, queries, device) -> dict:
