@@ -37,10 +37,10 @@ _graphs = {}
 
 @pytest.fixture(scope="module")
 def graph_for(points):
-    def get(metric):
-        if metric not in _graphs:
-            _graphs[metric] = grnnd.build(points[0], metric=metric)
-        return _graphs[metric]
+    def get(metric, degree=32):
+        if (metric, degree) not in _graphs:
+            _graphs[metric, degree] = grnnd.build(points[0], metric=metric, degree=degree)
+        return _graphs[metric, degree]
 
     return get
 
@@ -215,14 +215,15 @@ def test_results_do_not_depend_on_the_batch_size(points, graph_for, list_size, s
         assert torch.equal(i, i_all[:batch]) and torch.equal(d, d_all[:batch])
 
 
+@pytest.mark.parametrize("degree, search_width", [(32, 1), (32, 2), (48, 1), (64, 1)])
 @pytest.mark.parametrize("list_size", [16, 24, 48, 64, 96, 128])
 @pytest.mark.parametrize("metric", ["l2", "cosine"])
-def test_warp_iterations_match_the_general_loop(points, graph_for, metric, list_size):
-    """Without a filter, lists up to 128 and one candidate per lane take the warp-level loop (two
-    or four register rows); an all-true filter takes block_iterations. Both walk the same graph
-    in the same order."""
-    data, graph, queries = points[0].cuda(), graph_for(metric).cuda(), points[1].cuda()
-    kw = dict(list_size=list_size, metric=metric, searches=1)
+def test_warp_iterations_match_the_general_loop(points, graph_for, metric, list_size, degree, search_width):
+    """Without a filter, lists up to 128 and rounds of up to 64 candidates (two a lane) take the
+    warp-level loop (two or four register rows); an all-true filter takes block_iterations. Both
+    walk the same graph in the same order."""
+    data, graph, queries = points[0].cuda(), graph_for(metric, degree).cuda(), points[1].cuda()
+    kw = dict(list_size=list_size, metric=metric, searches=1, search_width=search_width)
     warp = grnnd.search(data, graph, queries, K, **kw)
     general = grnnd.search(data, graph, queries, K, filter=torch.ones(N, dtype=torch.bool, device="cuda"), **kw)
     assert torch.equal(warp[1], general[1]) and torch.equal(warp[0], general[0])

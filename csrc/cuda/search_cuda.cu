@@ -44,6 +44,7 @@ constexpr uint32_t kHashFree = 0xffffffffu;
 constexpr int kMaxSearchWidth = 32;          // = params.h bound; parents live in one warp's ballot
 constexpr int kMaxThreads = 512;
 constexpr int kMaxWarpRows = 4;              // warp_iterations holds lists of up to 4 * 32 keys
+constexpr int kMaxWarpCandRows = 2;          // and rounds of up to 2 * 32 candidates (degree 64)
 // Chunks of a row in flight per lane in warp_iterations' distances (team_visit). The general loop
 // keeps 1: it was not measured with more on its own.
 constexpr int kWarpLoopChunksInFlight = 4;
@@ -271,8 +272,9 @@ __device__ void block_iterations(const SearchArgs& a, const T* __restrict__ x, c
 }
 
 // The iterations when one warp can hold the whole list (list_size <= 32 * kMaxWarpRows: ROWS
-// keys per lane) and a round's candidates (search_width * degree <= 32: one per lane), without a
-// filter. Warp 0 does everything but the distances in registers: parent choice and expansion
+// keys per lane) and a round's candidates (search_width * degree <= 32 * kMaxWarpCandRows: up
+// to two per lane, each group of 32 sorted and merged in turn, which keeps the same best keys as
+// one merge of all), without a filter. Warp 0 does everything but the distances in registers: parent choice and expansion
 // with ballots, the sort of the new candidates and their merge into the list with shuffles. An
 // iteration then has two block barriers (candidates published, distances published) instead of
 // about seven, which is what a small batch waits on (ncu: barrier stalls dominate). Same
@@ -336,18 +338,23 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
           }
           __syncwarp();
         }
-        // Expand: lane j takes neighbour slot j of the round; new ids are packed in lane order.
-        bool fresh = false;
-        uint32_t u = 0u;
-        if (lane < found * a.degree) {
-          const int p = lane / a.degree, j = lane - p * a.degree;
-          const int32_t v = __ldg(a.graph + static_cast<int64_t>(s.parents[p] & kIdMask) * a.degree + j);
-          u = static_cast<uint32_t>(v);
-          fresh = v >= 0 && v < a.n && hash_insert(table, a.hash_bits, u, &s.hash_count);
+        // Expand: lane j takes neighbour slots j, 32 + j, ... of the round; new ids are packed
+        // in slot order.
+        const int slots = found * a.degree;
+        for (int c = 0; c * kWarpSize < slots; ++c) {  // warp-uniform
+          const int slot = c * kWarpSize + lane;
+          bool fresh = false;
+          uint32_t u = 0u;
+          if (slot < slots) {
+            const int p = slot / a.degree, j = slot - p * a.degree;
+            const int32_t v = __ldg(a.graph + static_cast<int64_t>(s.parents[p] & kIdMask) * a.degree + j);
+            u = static_cast<uint32_t>(v);
+            fresh = v >= 0 && v < a.n && hash_insert(table, a.hash_bits, u, &s.hash_count);
+          }
+          const unsigned bits = __ballot_sync(kFullMask, fresh);
+          if (fresh) cand_i[n + __popc(bits & below)] = u;
+          n += __popc(bits);
         }
-        const unsigned bits = __ballot_sync(kFullMask, fresh);
-        if (fresh) cand_i[__popc(bits & below)] = u;
-        n = __popc(bits);
         __syncwarp();  // every lane has read s.parents before the next round may rewrite them
       }
       if (lane == 0) {
@@ -362,10 +369,43 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
     compute_distances<T, TEAM, kWarpLoopChunksInFlight>(a, x, query, n, cand_d, cand_i);
     __syncthreads();  // distances published; no warp reads cand, n_cand or done again before the next barrier
     if (tid < kWarpSize) {
-      float cd = lane < n ? cand_d[lane] : kInf;
-      uint32_t ci = lane < n ? cand_i[lane] : kEmptyId;
-      warp_sort32(cd, ci);
-      warp_merge<ROWS>(d, id, cd, ci, a.list_size);
+      // Only a candidate before the list's last kept key can enter the list; the others are
+      // dropped before the sort, and a round none of whose candidates can enter (most rounds
+      // late in a search) costs no sort and no merge. The survivors move to the front of cand.
+      const int last = a.list_size - 1;
+      float worst_d = kInf;
+      uint32_t worst_i = kEmptyId;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        if (r == last / kWarpSize) {
+          worst_d = d[r];
+          worst_i = id[r];
+        }
+      }
+      worst_d = __shfl_sync(kFullMask, worst_d, last % kWarpSize);
+      worst_i = __shfl_sync(kFullMask, worst_i, last % kWarpSize);
+      int entering = 0;
+      for (int c = 0; c * kWarpSize < n; ++c) {  // warp-uniform
+        const int at = c * kWarpSize + lane;
+        const float cd = at < n ? cand_d[at] : kInf;
+        const uint32_t ci = at < n ? cand_i[at] : kEmptyId;
+        const bool enters = at < n && key_less(cd, ci, worst_d, worst_i);
+        const unsigned bits = __ballot_sync(kFullMask, enters);
+        __syncwarp();  // every lane has read its candidate before any survivor moves down
+        if (enters) {
+          cand_d[entering + __popc(bits & below)] = cd;
+          cand_i[entering + __popc(bits & below)] = ci;
+        }
+        entering += __popc(bits);
+        __syncwarp();
+      }
+      for (int c = 0; c * kWarpSize < entering; ++c) {  // warp-uniform
+        const int at = c * kWarpSize + lane;
+        float cd = at < entering ? cand_d[at] : kInf;
+        uint32_t ci = at < entering ? cand_i[at] : kEmptyId;
+        warp_sort32(cd, ci);
+        warp_merge<ROWS>(d, id, cd, ci, a.list_size);
+      }
     }
   }
   if (tid < kWarpSize) {
@@ -665,7 +705,8 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   a.cand_cap = std::max(a.list_cap, next_pow2(static_cast<int>(per_round)));
   a.search_width = p.search_width;
   a.max_iters = p.max_iters;
-  const bool warp_fits = !filter.has_value() && a.list_cap <= kMaxWarpRows * kWarpSize && per_round <= kWarpSize;
+  const bool warp_fits = !filter.has_value() && a.list_cap <= kMaxWarpRows * kWarpSize &&
+                         per_round <= kMaxWarpCandRows * kWarpSize;
   // Two rows at least: a one-row variant spilled registers (ptxas, sm_90) and would add a kernel
   // per storage type and team for lists of at most 32.
   a.warp_rows = warp_fits ? std::max(2, a.list_cap / kWarpSize) : 0;  // list_cap is a power of two
