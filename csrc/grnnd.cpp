@@ -28,7 +28,7 @@ TORCH_LIBRARY(grnnd, m) {
   // init: optional int32 [N, c] entries each vertex starts with besides its S draws, as already
   // compared ("old", seed 003's merge of built graphs), -1 padded (build_schedule.h, start_pools).
   m.def(
-      "build(Tensor data, *, int degree=32, int initial_degree=16, int pool_size=48, int outer_iters=8, "
+      "build(Tensor data, *, int degree=48, int initial_degree=16, int pool_size=48, int outer_iters=8, "
       "int inner_iters=8, float reverse_ratio=0.6, str update_order=\"descending\", str metric=\"l2\", "
       "int seed=0, float delta=0.02, str start=\"hubs\", Tensor? init=None) -> Tensor");
   // Batched greedy graph search; list_size=0 means max(k, 64). No argument is keyword-only:

@@ -17,6 +17,7 @@ def main():
                                (torch.float32, "l2", 3), (torch.float32, "l2", 1100)]:
         data = torch.randn(1500, dim, generator=g, device="cuda").to(dtype)
         graph = grnnd.build(data, metric=metric, outer_iters=2, inner_iters=2)
+        # Width 1: the warp loop, two candidates a lane at degree 48; width 2: the block loop.
         for width in (1, 2):
             grnnd.search(data, graph, data[:64], 10, list_size=64, search_width=width, metric=metric)
         grnnd.search(data, graph, data.repeat(2, 1), 10, list_size=32, metric=metric)  # 64-thread blocks
@@ -48,7 +49,7 @@ def edge_sizes(g: torch.Generator):
             k = min(n, 10)
             grnnd.search(data, graph, queries, n if n <= 64 else k, list_size=64, searches=1)  # k = N where small
             grnnd.search(data, graph, queries, k, list_size=64, searches=4)  # split, then merged
-            grnnd.search(data, graph, queries, k, list_size=128, search_width=2, searches=1)  # block loop
+            grnnd.search(data, graph, queries, k, list_size=256, search_width=2, searches=1)  # block loop
             allowed = torch.rand(n, generator=g, device="cuda") < 0.5
             grnnd.search(data, graph, queries, k, list_size=64, filter=allowed)
             grnnd.knn(data, queries, n if n <= 1024 else k)

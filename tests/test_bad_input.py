@@ -61,7 +61,7 @@ def assert_valid_graph(graph: torch.Tensor, n: int, degree: int) -> None:
 
 def build_one_row(device: str):
     graph = grnnd.build(points(1, 4, device))
-    assert graph.shape == (1, 32) and bool((graph == -1).all())
+    assert graph.shape == (1, grnnd.BuildParams().degree) and bool((graph == -1).all())
     _, ids = grnnd.search(points(1, 4, device), graph, points(3, 4, device, seed=1), 1)
     assert ids.flatten().tolist() == [0, 0, 0]
 

@@ -88,7 +88,7 @@ def check_invariants(data, graph, degree, metric):
 def test_quality_and_parity(dataset, dtype, metric):
     data, queries = (t.to(dtype) for t in dataset)
     graph = grnnd.build(data.cuda(), metric=metric)
-    check_invariants(data.cuda(), graph, 32, metric)
+    check_invariants(data.cuda(), graph, grnnd.BuildParams().degree, metric)
     gpu_recall = recall_at_10(data, graph, queries, metric)
     assert gpu_recall >= 0.95, f"CUDA-built graph: recall@10 {gpu_recall:.4f}"
     cpu_recall = recall_at_10(data, grnnd.build(data, metric=metric), queries, metric)
@@ -128,7 +128,7 @@ def test_components_switch(dataset, update_order, reverse_ratio):
     data, queries = dataset
     data, queries = data[:5_000], queries[:200]
     graph = grnnd.build(data.cuda(), update_order=update_order, reverse_ratio=reverse_ratio)
-    check_invariants(data.cuda(), graph, 32, "l2")
+    check_invariants(data.cuda(), graph, grnnd.BuildParams().degree, "l2")
     cpu = grnnd.build(data, update_order=update_order, reverse_ratio=reverse_ratio)
     assert abs(recall_at_10(data, graph, queries, "l2") - recall_at_10(data, cpu, queries, "l2")) <= 0.02
 
@@ -260,9 +260,9 @@ def test_peak_memory_stays_within_the_pools():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    graph = grnnd.build(data, degree=32, pool_size=pool_size)
+    graph = grnnd.build(data, pool_size=pool_size)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     pools = 2 * n * pool_size * 8
-    assert graph.shape == (n, 32) and int(graph.min()) >= 0
+    assert graph.shape == (n, grnnd.BuildParams().degree) and int(graph.min()) >= 0
     assert peak <= 1.10 * pools, f"peak extra {peak / 2**20:.1f} MiB against pools {pools / 2**20:.1f} MiB"

@@ -248,7 +248,7 @@ def test_storage_grows_by_half_so_adds_rarely_copy(vectors, device):
         moves += index.data.data_ptr() != before
     # 30 adds, storage 1000 -> 1500 -> 2250 -> 3375 -> 4950 rows.
     assert moves == 4 and index.capacity == 4950 and len(index) == 4000
-    assert torch.equal(index.data, data) and index.graph.shape == (4000, 32)
+    assert torch.equal(index.data, data) and index.graph.shape == (4000, grnnd.BuildParams().degree)
     index.reserve(6000)
     before = index.data.data_ptr()
     index.add(vectors[1].to(device))

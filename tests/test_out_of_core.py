@@ -19,7 +19,7 @@ def recall(data, graph, queries, truth, metric="l2"):
     return grnnd.recall(grnnd.search(data, graph, queries, 10, list_size=16, metric=metric)[1], truth)
 
 
-def check_graph(graph: torch.Tensor, n: int, degree: int = 32):
+def check_graph(graph: torch.Tensor, n: int, degree: int = grnnd.BuildParams().degree):
     assert graph.shape == (n, degree) and graph.dtype == torch.int32
     assert int(graph.min()) >= -1 and int(graph.max()) < n
     assert not bool((graph == torch.arange(n, dtype=torch.int32, device=graph.device).unsqueeze(1)).any())

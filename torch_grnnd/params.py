@@ -62,9 +62,11 @@ class BuildParams(_Settings):
         degree: out-degree of the returned graph (at most 256): each row keeps what the
             relative-neighbourhood rule left of its pool, nearest first, and is filled up to the
             degree with the nearest vertices two hops away, then -1 padded where there are none;
-            so the degree may exceed ``pool_size``. Degree 64 finds more at each list size, and
-            on the GPU searches clustered synthetic data as fast as 32 at equal recall, but real
-            sentence embeddings 20-35% slower (benchmarks/README.md, "Degree").
+            so the degree may exceed ``pool_size``. Wider rows find more at each list size and
+            cost more per search step: on data of high intrinsic dimension (clustered synthetic
+            sets) 48 and 64 reach a recall at more queries/s than 32, on real sentence
+            embeddings 32 is a few percent faster at equal recall; the default 48 is never far
+            from the best of the three (benchmarks/README.md, "Degree").
         initial_degree: [S] random neighbours each vertex starts with.
         pool_size: [R] capacity of each vertex's candidate pool (at most 256); more finds better
             neighbours for more memory (2 * N * R * 8 bytes) and time.
