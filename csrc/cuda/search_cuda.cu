@@ -274,10 +274,11 @@ __device__ void block_iterations(const SearchArgs& a, const T* __restrict__ x, c
 // The iterations when one warp can hold the whole list (list_size <= 32 * kMaxWarpRows: ROWS
 // keys per lane) and a round's candidates (search_width * degree <= 32 * kMaxWarpCandRows: up
 // to two per lane, each group of 32 sorted and merged in turn, which keeps the same best keys as
-// one merge of all), without a filter. Warp 0 does everything but the distances in registers: parent choice and expansion
-// with ballots, the sort of the new candidates and their merge into the list with shuffles. An
-// iteration then has two block barriers (candidates published, distances published) instead of
-// about seven, which is what a small batch waits on (ncu: barrier stalls dominate). Same
+// one merge of all), without a filter. Warp 0 does everything but the distances in registers:
+// parent choice and expansion with ballots, the sort of the new candidates and their merge into
+// the list with shuffles. An iteration then has two block barriers (candidates published,
+// distances published) instead of about seven, which is what a small batch waits on (ncu:
+// barrier stalls dominate). Same
 // algorithm, same expansions and the same list as block_iterations. Entered after the entry
 // points were merged into list_d/list_i; leaves the final list there, after a __syncthreads.
 template <typename T, int TEAM, int ROWS>
