@@ -3,6 +3,7 @@
 #include "params.h"
 #include "prune.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <deque>
@@ -182,24 +183,52 @@ void check_knn_inputs(const at::Tensor& data, const at::Tensor& queries, int64_t
   check_finite(queries, "queries");
 }
 
-void check_knn_segments_inputs(const at::Tensor& x, const at::Tensor& y, const at::Tensor& ptr_x,
-                               const at::Tensor& batch_y, int64_t k) {
+SegmentsOfX check_knn_segments_inputs(const at::Tensor& x, const at::Tensor& y, const c10::optional<at::Tensor>& ptr_x,
+                                      const at::Tensor& batch_y, int64_t k, const c10::optional<at::Tensor>& batch_x,
+                                      int64_t examples) {
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{x, "x"}, {y, "y"}}) {
     TORCH_CHECK_VALUE(t.dim() == 2, name, ": expected a 2-D tensor [n, dim], got shape ", t.sizes());
     TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, ": expected float32, got ", t.scalar_type());
   }
   TORCH_CHECK_VALUE(x.size(1) == y.size(1), "y: expected dim ", x.size(1), " to match x, got ", y.size(1));
   TORCH_CHECK_VALUE(x.size(0) < std::numeric_limits<int32_t>::max(), "x: expected fewer than 2^31 - 1 rows");
-  TORCH_CHECK_TYPE(ptr_x.scalar_type() == at::kLong && batch_y.scalar_type() == at::kLong,
-                   "ptr_x, batch_y: expected int64, got ", ptr_x.scalar_type(), " and ", batch_y.scalar_type());
-  TORCH_CHECK_VALUE(ptr_x.dim() == 1 && ptr_x.size(0) >= 2, "ptr_x: expected shape [examples + 1], got ",
-                    ptr_x.sizes());
+  TORCH_CHECK_VALUE(ptr_x.has_value() != batch_x.has_value(),
+                    "knn_segments: expected x's examples as exactly one of ptr_x and batch_x, got ",
+                    ptr_x.has_value() ? "both" : "neither");
+  TORCH_CHECK_TYPE(batch_y.scalar_type() == at::kLong, "batch_y: expected int64, got ", batch_y.scalar_type());
   TORCH_CHECK_VALUE(batch_y.dim() == 1 && batch_y.size(0) == y.size(0), "batch_y: expected shape [", y.size(0),
                     "] (one example index per row of y), got ", batch_y.sizes());
   check_same_device(x, "x", y, "y");
-  check_same_device(x, "x", ptr_x, "ptr_x");
   check_same_device(x, "x", batch_y, "batch_y");
   TORCH_CHECK_VALUE(k >= 1, "k: expected >= 1, got ", k);
+  SegmentsOfX segments;
+  if (ptr_x.has_value()) {
+    const at::Tensor& ptr = *ptr_x;
+    TORCH_CHECK_TYPE(ptr.scalar_type() == at::kLong, "ptr_x: expected int64, got ", ptr.scalar_type());
+    TORCH_CHECK_VALUE(ptr.dim() == 1 && ptr.size(0) >= 2, "ptr_x: expected shape [examples + 1], got ", ptr.sizes());
+    TORCH_CHECK_VALUE(examples == -1 || examples == ptr.size(0) - 1, "examples: expected -1 or ", ptr.size(0) - 1,
+                      " (ptr_x's), got ", examples);
+    check_same_device(x, "x", ptr, "ptr_x");
+    segments.ptr = ptr.contiguous();
+    segments.examples = ptr.size(0) - 1;
+    return segments;
+  }
+  const at::Tensor& batch = *batch_x;
+  TORCH_CHECK_TYPE(batch.scalar_type() == at::kLong, "batch_x: expected int64, got ", batch.scalar_type());
+  TORCH_CHECK_VALUE(batch.dim() == 1 && batch.size(0) == x.size(0), "batch_x: expected shape [", x.size(0),
+                    "] (one example index per row of x, ascending), got ", batch.sizes());
+  TORCH_CHECK_VALUE(examples >= -1, "examples: expected >= 0 (or -1: read from batch_x), got ", examples);
+  check_same_device(x, "x", batch, "batch_x");
+  segments.batch = batch.contiguous();
+  segments.examples = examples >= 0 ? examples
+                      : batch.numel() == 0 ? 0
+                                           : std::max<int64_t>(0, batch.max().item<int64_t>() + 1);
+  return segments;
+}
+
+at::Tensor SegmentsOfX::as_ptr() const {
+  if (ptr.defined()) return ptr;
+  return at::searchsorted(batch, at::arange(examples + 1, batch.options()));
 }
 
 EdgeFilter check_segment_edges_inputs(const at::Tensor& dists, const at::Tensor& ids,

@@ -47,10 +47,24 @@ void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const 
 // queries. Skipped where contents are not readable.
 void check_search_contents(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries);
 void check_knn_inputs(const at::Tensor& data, const at::Tensor& queries, int64_t k);
-// knn_segments: float32 x [nx, D] and y [ny, D] (either may be empty), int64 ptr_x [examples + 1]
-// and batch_y [ny], all on one device. Values are not read: the kernels clamp them (segments.h).
-void check_knn_segments_inputs(const at::Tensor& x, const at::Tensor& y, const at::Tensor& ptr_x,
-                               const at::Tensor& batch_y, int64_t k);
+// knn_segments' examples of x in the form the caller gave them (grnnd.cpp): ptr [examples + 1],
+// or a sorted batch vector [nx] and the number of examples.
+struct SegmentsOfX {
+  at::Tensor ptr;    // int64 [examples + 1], contiguous; undefined when given as batch_x
+  at::Tensor batch;  // int64 [nx], contiguous; undefined when given as ptr_x
+  int64_t examples;
+
+  // ptr, made from batch where that is the form given (a search, no host synchronisation).
+  at::Tensor as_ptr() const;
+};
+
+// knn_segments: float32 x [nx, D] and y [ny, D] (either may be empty), int64 batch_y [ny], and
+// x's examples as exactly one of int64 ptr_x [examples + 1] or batch_x [nx] (with `examples`,
+// -1: read from batch_x, one host synchronisation), all on one device. Values are not read
+// otherwise: the kernels clamp them (segments.h).
+SegmentsOfX check_knn_segments_inputs(const at::Tensor& x, const at::Tensor& y, const c10::optional<at::Tensor>& ptr_x,
+                                      const at::Tensor& batch_y, int64_t k, const c10::optional<at::Tensor>& batch_x,
+                                      int64_t examples);
 
 // segment_edges' inputs: knn_segments' (dists, ids), float32 and int64 [queries, k] on one
 // device. Returns the filter they ask for.

@@ -51,10 +51,12 @@ TORCH_LIBRARY(grnnd, m) {
   // back to back: example b of x is rows ptr_x[b] .. ptr_x[b + 1], row i of y is in example
   // batch_y[i]); squared l2, -1 / +inf padded where an example has fewer than k rows. method:
   // "scan" visits every row of the example, "grid" the cells around the query (grid.h), "auto"
-  // takes the grid where measured faster; all return the same.
+  // takes the grid where measured faster; all return the same. x's examples may come instead as
+  // batch_x, x's example index per row, ascending (PyG's form; ptr_x None), with `examples`
+  // (-1: read from batch_x, a host synchronisation): the CUDA scan then needs no ptr at all.
   m.def(
-      "knn_segments(Tensor x, Tensor y, Tensor ptr_x, Tensor batch_y, int k, str method=\"auto\") "
-      "-> (Tensor, Tensor)");
+      "knn_segments(Tensor x, Tensor y, Tensor? ptr_x, Tensor batch_y, int k, str method=\"auto\", *, "
+      "Tensor? batch_x=None, int examples=-1) -> (Tensor, Tensor)");
   // knn_segments' results (dists, ids [queries, k]) as an int64 edge index [2, E]: (query, id)
   // for each entry with id >= 0, dist < max_distance when given, and id != query when drop_self,
   // in row-major order; neighbour_first puts the ids in row 0 (PyG's flow="source_to_target").

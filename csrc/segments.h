@@ -23,6 +23,33 @@ C10_HOST_DEVICE inline SegmentRange segment_range(const int64_t* ptr, int64_t ex
   return {begin, end};
 }
 
+// The rows of `example` when x's examples are given by a sorted batch vector (batch_x [rows],
+// PyG's form) instead of ptr: from its first row of `example` to its first row of example + 1,
+// found by binary search. An example outside [0, examples), or with no row, has none.
+// What lets a kernel take batch_x as it comes, with no ptr made before it (one launch and the
+// host time of two torch calls fewer: knn_segments_cuda.cu). An unsorted batch_x gives ranges
+// inside [0, rows), never a read outside them.
+C10_HOST_DEVICE inline int64_t first_row_at_least(const int64_t* batch_x, int64_t rows, int64_t example) {
+  int64_t low = 0, high = rows;
+  while (low < high) {
+    const int64_t mid = low + (high - low) / 2;
+    if (batch_x[mid] < example) {
+      low = mid + 1;
+    } else {
+      high = mid;
+    }
+  }
+  return low;
+}
+
+C10_HOST_DEVICE inline SegmentRange segment_range_in_batch(const int64_t* batch_x, int64_t rows, int64_t examples,
+                                                            int64_t example) {
+  if (example < 0 || example >= examples) return {0, 0};
+  const int64_t begin = first_row_at_least(batch_x, rows, example);
+  const int64_t end = first_row_at_least(batch_x, rows, example + 1);
+  return {begin, end < begin ? begin : end};
+}
+
 // The exact CPU kernels' best k of a query, ascending by (distance, row): (d, row) goes in if it
 // comes before the k-th, entries after it move up one slot. Candidates in row order then keep
 // the lower row of a tie, and candidates in any other order end the same. Empty slots are

@@ -81,16 +81,21 @@ def hubs_and_repair(g: torch.Generator):
 def segments(g: torch.Generator):
     """knn_segments in every variant: dimension passes of 4, 16 and 64 (two passes at 100), best k
     in registers (8, 16, 32) and in the output row (40); examples empty, smaller than k and
-    larger than a tile; a block whose queries span examples; query indices out of range."""
+    larger than a tile; a block whose queries span examples; query indices out of range; x's
+    examples as ptr_x and as batch_x."""
     sizes = torch.tensor([0, 3, 70, 1, 33, 0, 100], device="cuda")
     ptr_x = torch.cat([torch.zeros(1, dtype=torch.long, device="cuda"), sizes.cumsum(0)])
     batch_y = torch.randint(-1, sizes.numel() + 1, (150,), generator=g, device="cuda")
+    batch_x = torch.repeat_interleave(torch.arange(sizes.numel(), device="cuda"), sizes)
     for dim in (3, 10, 64, 100):
         x = torch.randn(int(sizes.sum()), dim, generator=g, device="cuda")
         y = torch.randn(batch_y.numel(), dim, generator=g, device="cuda")
         for k in (1, 16, 20, 40):
             torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y.sort().values, k, method="scan")
             torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y, k, method="scan")
+            # x's examples as a batch vector: each query searches it for its rows.
+            torch.ops.grnnd.knn_segments(x, y, None, batch_y, k, method="scan", batch_x=batch_x, examples=7)
+            torch.ops.grnnd.knn_segments(x, y, None, batch_y, k, method="scan", batch_x=batch_x, examples=3)
             if k <= 32:  # the grid path (csrc/grid.h), every register list size
                 torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y, k, method="grid")
                 torch.ops.grnnd.knn_segments(x, y * 40, ptr_x, batch_y, k + 7, method="grid")
@@ -101,6 +106,7 @@ def segments(g: torch.Generator):
     x = torch.randn(batch.numel(), 3, generator=g, device="cuda")
     for k in (16, 40):
         torch.ops.grnnd.knn_segments(x, x, ptr_x, batch, k)
+        torch.ops.grnnd.knn_segments(x, x, None, batch, k, method="scan", batch_x=batch, examples=4000)
     # Clouds of 512 to 4096 points an example, with many ties (queued candidates, csrc/cuda/knn_segments_cuda.cu).
     sizes = torch.tensor([1500, 0, 7, 2048, 900], device="cuda")
     ptr_x = torch.cat([torch.zeros(1, dtype=torch.long, device="cuda"), sizes.cumsum(0)])

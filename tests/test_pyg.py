@@ -231,6 +231,49 @@ def test_knn_segments_cuda_equals_cpu_on_large_batches(k):
     assert torch.equal(cpu[1], gpu[1].cpu()) and torch.equal(cpu[0], gpu[0].cpu())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dim, method", [(3, "auto"), (3, "scan"), (3, "grid"), (17, "auto"), (64, "auto")])
+def test_knn_segments_batch_x_form_equals_ptr_form(device, dim, method):
+    # x's examples as a sorted batch vector (PyG's form; the CUDA scan searches it per query)
+    # give what ptr gives, empty examples and queries of no example included; examples=-1
+    # reads the count from batch_x.
+    x, y, ptr_x, batch_y = segment_problem(dim, seed=dim + 1, sorted_queries=device == "cpu")
+    batch_x = torch.repeat_interleave(torch.arange(len(SEGMENT_SIZES)), torch.tensor(SEGMENT_SIZES))
+    x, y, ptr_x, batch_x, batch_y = (t.to(device) for t in (x, y, ptr_x, batch_x, batch_y))
+    want = torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y, 9, method)
+    given = torch.ops.grnnd.knn_segments(x, y, None, batch_y, 9, method, batch_x=batch_x,
+                                         examples=len(SEGMENT_SIZES))
+    assert torch.equal(want[1], given[1]) and torch.equal(want[0], given[0])
+    # The last example is empty, so batch_x's largest value is one short of the count: queries of
+    # that example and beyond find nothing either way.
+    read = torch.ops.grnnd.knn_segments(x, y, None, batch_y, 9, method, batch_x=batch_x)
+    assert torch.equal(want[1], read[1])
+    # Fewer examples than batch_x holds: rows of the examples beyond are nobody's.
+    cut = torch.ops.grnnd.knn_segments(x, y, None, batch_y, 9, method, batch_x=batch_x, examples=4)
+    beyond = batch_y >= 4
+    assert beyond.any() and (cut[1][beyond] == -1).all() and torch.equal(cut[1][~beyond], want[1][~beyond])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_knn_segments_examples_form_errors(device):
+    x = torch.randn(10, 3, device=device)
+    batch = torch.zeros(10, dtype=torch.long, device=device)
+    ptr = torch.tensor([0, 10], device=device)
+    op = torch.ops.grnnd.knn_segments
+    with pytest.raises(ValueError, match="exactly one of ptr_x and batch_x, got both"):
+        op(x, x, ptr, batch, 2, batch_x=batch)
+    with pytest.raises(ValueError, match="exactly one of ptr_x and batch_x, got neither"):
+        op(x, x, None, batch, 2)
+    with pytest.raises(ValueError, match=r"batch_x: expected shape \[10\]"):
+        op(x, x, None, batch, 2, batch_x=batch[:5])
+    with pytest.raises(TypeError, match="batch_x: expected int64"):
+        op(x, x, None, batch, 2, batch_x=batch.int())
+    with pytest.raises(ValueError, match="examples: expected >= 0"):
+        op(x, x, None, batch, 2, batch_x=batch, examples=-2)
+    with pytest.raises(ValueError, match="examples: expected -1 or 1"):
+        op(x, x, ptr, batch, 2, examples=3)
+
+
 def test_knn_graph_transform_sets_edges_and_drops_edge_attr():
     from types import SimpleNamespace
 

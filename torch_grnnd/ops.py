@@ -201,7 +201,7 @@ def _knn_graph_fake(data, k, **_):
 
 
 @torch.library.register_fake("grnnd::knn_segments")
-def _knn_segments_fake(x, y, ptr_x, batch_y, k, method="auto"):
+def _knn_segments_fake(x, y, ptr_x, batch_y, k, method="auto", *, batch_x=None, examples=-1):
     return _query_outputs(x, y, k)
 
 

@@ -4,7 +4,8 @@
 ``torch_grnnd.pyg.KNNGraph`` PyG's ``transforms.KNNGraph``): the
 same arguments in the same order with the same defaults, and the same edges. Examples are
 batched as PyG batches them (a sorted ``batch`` vector); every example of a batch is searched in
-one call of ``torch.ops.grnnd.knn_segments`` (one kernel launch on a GPU), exactly, each query
+one call of ``torch.ops.grnnd.knn_segments`` (one kernel launch on a GPU, which finds each
+query's rows in the batch vector itself), exactly, each query
 among the rows of its own example only, and the edges come out of one call of
 ``torch.ops.grnnd.segment_edges``. Passing ``batch_size`` (the number of examples) spares
 the host synchronisation that reading it from ``batch`` costs. Points of up to three coordinates
@@ -169,8 +170,8 @@ def _knn_found(x: Tensor, y: Tensor, k: int, batch_x: Optional[Tensor], batch_y:
     xs = _search_space(x, cosine)
     ys = xs if y is x else _search_space(y, cosine)  # knn_graph: one conversion
     if approximate:
-        return x, y, _approximate(xs, ys, *segments, k)
-    return x, y, torch.ops.grnnd.knn_segments.default(xs, ys, *segments, k)
+        return x, y, _approximate(xs, ys, segments, k)
+    return x, y, _nearest(xs, ys, segments, k)
 
 
 def _within(x: Tensor, y: Tensor, r: float, batch_x: Optional[Tensor], batch_y: Optional[Tensor],
@@ -186,8 +187,7 @@ def _within(x: Tensor, y: Tensor, r: float, batch_x: Optional[Tensor], batch_y: 
     if segments is None:
         return x, y, None
     xs = _search_space(x, False)
-    return x, y, torch.ops.grnnd.knn_segments.default(xs, xs if y is x else _search_space(y, False), *segments,
-                                                      max_num_neighbors)
+    return x, y, _nearest(xs, xs if y is x else _search_space(y, False), segments, max_num_neighbors)
 
 
 def _check_flow(flow: str) -> None:
@@ -203,10 +203,15 @@ def _edge_index(x: Tensor, found: Optional[Tuple[Tensor, Tensor]], **edge_filter
     return torch.ops.grnnd.segment_edges.default(*found, **edge_filter)
 
 
+# Where knn_segments finds each example: (batch_x [len(x)] or None for one example, batch_y
+# [len(y)], the number of examples).
+Segments = Tuple[Optional[Tensor], Tensor, int]
+
+
 def _segments(x: Tensor, y: Tensor, batch_x: Optional[Tensor], batch_y: Optional[Tensor],
-              batch_size: Optional[int]) -> Tuple[Tensor, Tensor, Optional[Tuple[Tensor, Tensor]]]:
-    """``x`` and ``y`` as [n, dim] points, and ``(ptr_x [examples + 1], batch_y [len(y)])`` for
-    knn_segments as torch_cluster forms them, or None when ``x`` or ``y`` has no rows (no edges)."""
+              batch_size: Optional[int]) -> Tuple[Tensor, Tensor, Optional[Segments]]:
+    """``x`` and ``y`` as [n, dim] points, and their examples for knn_segments, or None when ``x``
+    or ``y`` has no rows (no edges)."""
     x, y = _as_points(x, "x"), _as_points(y, "y")
     if x.shape[1] != y.shape[1]:
         raise ValueError(f"y: expected dim {x.shape[1]} to match x, got {y.shape[1]}")
@@ -225,13 +230,20 @@ def _segments(x: Tensor, y: Tensor, batch_x: Optional[Tensor], batch_y: Optional
         raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
     if batch_size > 1 and (batch_x is None or batch_y is None):
         raise ValueError("batch_x, batch_y: both are needed when there is more than one example")
-    if batch_x is None:
-        ptr_x = torch.tensor([0, x.shape[0]], device=x.device)
-    else:
-        ptr_x = torch.bucketize(torch.arange(batch_size + 1, device=x.device), _as_long(batch_x))
     if batch_y is None:
         batch_y = torch.zeros(y.shape[0], dtype=torch.long, device=y.device)
-    return x, y, (ptr_x, _as_long(batch_y))
+    return x, y, (None if batch_x is None else _as_long(batch_x), _as_long(batch_y), batch_size)
+
+
+def _nearest(xs: Tensor, ys: Tensor, segments: Segments, k: int) -> Tuple[Tensor, Tensor]:
+    """knn_segments' (distances, ids) [len(y), k]. x's examples go to it as the batch vector they
+    come as: on a GPU the kernel finds each example's rows in it, and no ptr is made first (the
+    launches and host time of two more torch calls, before the one kernel that matters)."""
+    batch_x, batch_y, examples = segments
+    if batch_x is None:
+        ptr_x = torch.tensor([0, xs.shape[0]], device=xs.device)
+        return torch.ops.grnnd.knn_segments.default(xs, ys, ptr_x, batch_y, k)
+    return torch.ops.grnnd.knn_segments.default(xs, ys, None, batch_y, k, batch_x=batch_x, examples=examples)
 
 
 # The conversions below are skipped when there is nothing to convert: each torch call costs
@@ -249,12 +261,16 @@ def _search_space(points: Tensor, cosine: bool) -> Tensor:
     return points if points.is_contiguous() else points.contiguous()
 
 
-def _approximate(xs: Tensor, ys: Tensor, ptr_x: Tensor, batch_y: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+def _approximate(xs: Tensor, ys: Tensor, segments: Segments, k: int) -> Tuple[Tensor, Tensor]:
     """knn_segments' (distances, ids) [len(y), k] from a GRNND graph of each example (one after
     another)."""
+    batch_x, batch_y, examples = segments
     dists = torch.full((ys.shape[0], k), float("inf"), device=ys.device)
     ids = torch.full((ys.shape[0], k), -1, dtype=torch.long, device=ys.device)
-    bounds = ptr_x.tolist()
+    if batch_x is None:
+        bounds = [0, xs.shape[0]]
+    else:
+        bounds = torch.searchsorted(batch_x, torch.arange(examples + 1, device=xs.device)).tolist()
     for b in range(len(bounds) - 1):
         start, end = bounds[b], bounds[b + 1]
         queries = (batch_y == b).nonzero().flatten()

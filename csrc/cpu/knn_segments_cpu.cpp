@@ -19,13 +19,14 @@ namespace cpu {
 namespace {
 
 std::tuple<at::Tensor, at::Tensor> knn_segments_cpu(const at::Tensor& x, const at::Tensor& y,
-                                                    const at::Tensor& ptr_x, const at::Tensor& batch_y, int64_t k,
-                                                    c10::string_view method) {
-  check_knn_segments_inputs(x, y, ptr_x, batch_y, k);
+                                                    const c10::optional<at::Tensor>& ptr_x, const at::Tensor& batch_y,
+                                                    int64_t k, c10::string_view method,
+                                                    const c10::optional<at::Tensor>& batch_x, int64_t examples_given) {
+  const SegmentsOfX segments = check_knn_segments_inputs(x, y, ptr_x, batch_y, k, batch_x, examples_given);
   const at::Tensor xs = x.contiguous(), ys = y.contiguous();
-  const at::Tensor ptr = ptr_x.contiguous(), batch = batch_y.contiguous();
-  const int64_t nx = xs.size(0), ny = ys.size(0), dim = xs.size(1), examples = ptr.size(0) - 1;
-  if (use_grid(std::string(method), xs, ptr, k)) {
+  const at::Tensor ptr = segments.as_ptr(), batch = batch_y.contiguous();
+  const int64_t nx = xs.size(0), ny = ys.size(0), dim = xs.size(1), examples = segments.examples;
+  if (examples > 0 && use_grid(std::string(method), xs, examples, k)) {
     const Grid grid = make_grid(xs, ptr);
     if (grid.valid) return knn_grid_cpu(grid, ys, batch, examples, k);
     TORCH_CHECK_VALUE(method != "grid", "knn_segments: method=\"grid\" needs ascending ptr_x");

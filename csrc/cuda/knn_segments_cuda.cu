@@ -6,7 +6,9 @@
 // queries fall in one example or two: the block walks the union of their row ranges in tiles of
 // kTileRows rows staged in shared memory, where every lane of a warp reads the same row at once
 // (a broadcast), and each thread keeps the candidates of its own example only. An unsorted
-// batch_y gives the same results; only the union, and so the work, grows.
+// batch_y gives the same results; only the union, and so the work, grows. x's examples come as
+// ptr or as PyG's sorted batch vector; a query finds its rows in the latter by two binary
+// searches (segments.h), so the caller makes no ptr before the launch.
 //
 // The best k of each query: for k <= 32, sorted in registers (K = 8, 16, 24 or 32 slots, filled
 // by an unrolled insertion that never indexes a register array at run time); for larger k, in
@@ -140,15 +142,21 @@ struct RowBest {
 };
 
 struct SegmentArgs {
-  const float* x;      // [nx, dim]
-  const float* y;      // [ny, dim]
-  const int64_t* ptr;  // [examples + 1]
+  const float* x;        // [nx, dim]
+  const float* y;        // [ny, dim]
+  const int64_t* ptr;    // [examples + 1], or null where x's examples come as batch_x
+  const int64_t* batch_x;  // [nx] ascending, or null where they come as ptr
   const int64_t* batch;  // [ny]
   int64_t nx, ny, examples;
   int dim, k;
   bool rows_aligned;  // dim % 4 == 0 and x 16-byte aligned: rows are read as float4
   float* out_d;    // [ny, k]; +inf filled for RowBest
   int64_t* out_i;  // [ny, k]; -1 filled for RowBest
+
+  __device__ SegmentRange rows_of(int64_t example) const {
+    return ptr != nullptr ? segment_range(ptr, examples, nx, example)
+                          : segment_range_in_batch(batch_x, nx, examples, example);
+  }
 };
 
 // kDimChunk: dimensions staged per pass (a multiple of 4); the query's share of them sits in
@@ -167,7 +175,7 @@ __global__ void __launch_bounds__(kQueries) knn_segments_kernel(SegmentArgs a) {
   __shared__ unsigned long long s_begin, s_end;
   const int64_t query = static_cast<int64_t>(blockIdx.x) * kQueries + threadIdx.x;
   const SegmentRange own =
-      query < a.ny ? segment_range(a.ptr, a.examples, a.nx, a.batch[query]) : SegmentRange{0, 0};
+      query < a.ny ? a.rows_of(a.batch[query]) : SegmentRange{0, 0};
 
   if (threadIdx.x == 0) {
     s_begin = ULLONG_MAX;
@@ -310,17 +318,19 @@ void launch_for_k(const SegmentArgs& args, cudaStream_t stream) {
 }
 
 std::tuple<at::Tensor, at::Tensor> knn_segments_cuda(const at::Tensor& x, const at::Tensor& y,
-                                                     const at::Tensor& ptr_x, const at::Tensor& batch_y, int64_t k,
-                                                     c10::string_view method) {
-  check_knn_segments_inputs(x, y, ptr_x, batch_y, k);
+                                                     const c10::optional<at::Tensor>& ptr_x, const at::Tensor& batch_y,
+                                                     int64_t k, c10::string_view method,
+                                                     const c10::optional<at::Tensor>& batch_x, int64_t examples) {
+  const SegmentsOfX segments = check_knn_segments_inputs(x, y, ptr_x, batch_y, k, batch_x, examples);
   TORCH_CHECK_VALUE(k < std::numeric_limits<int>::max(), "k: expected fewer than 2^31 - 1, got ", k);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   const at::Tensor xs = x.contiguous(), ys = y.contiguous();
-  const at::Tensor ptr = ptr_x.contiguous(), batch = batch_y.contiguous();
-  if (ys.size(0) > 0 && xs.size(0) > 0 && use_grid(std::string(method), xs, ptr, k)) {
-    const Grid grid = make_grid(xs, ptr);
-    if (grid.valid) return knn_grid_cuda(grid, ys, batch, ptr.size(0) - 1, k);
+  const at::Tensor batch = batch_y.contiguous();
+  if (ys.size(0) > 0 && xs.size(0) > 0 && segments.examples > 0 &&
+      use_grid(std::string(method), xs, segments.examples, k)) {
+    const Grid grid = make_grid(xs, segments.as_ptr());
+    if (grid.valid) return knn_grid_cuda(grid, ys, batch, segments.examples, k);
     TORCH_CHECK_VALUE(method != "grid", "knn_segments: method=\"grid\" needs ascending ptr_x");
   }
   // The register lists store all k slots of every query, padding included; a list kept in the
@@ -335,11 +345,13 @@ std::tuple<at::Tensor, at::Tensor> knn_segments_cuda(const at::Tensor& x, const 
   SegmentArgs args;
   args.x = xs.data_ptr<float>();
   args.y = ys.data_ptr<float>();
-  args.ptr = ptr.data_ptr<int64_t>();
+  // x's examples as given: no ptr is made from a batch vector (segments.h, segment_range_in_batch).
+  args.ptr = segments.ptr.defined() ? segments.ptr.data_ptr<int64_t>() : nullptr;
+  args.batch_x = segments.batch.defined() ? segments.batch.data_ptr<int64_t>() : nullptr;
   args.batch = batch.data_ptr<int64_t>();
   args.nx = xs.size(0);
   args.ny = ys.size(0);
-  args.examples = ptr.size(0) - 1;
+  args.examples = segments.examples;
   args.dim = static_cast<int>(xs.size(1));
   args.k = static_cast<int>(k);
   args.rows_aligned = args.dim % 4 == 0 && reinterpret_cast<uintptr_t>(args.x) % 16 == 0;
