@@ -5,6 +5,7 @@ pointed at removed vertices (as FreshDiskANN consolidates its deletes).
 Tensor operations around one op, ``torch.ops.grnnd.prune_rows`` (the build's rule applied to
 chosen rows, on the CPU or the GPU), so the same code runs wherever the index lives.
 """
+import math
 from typing import Tuple
 
 import torch
@@ -90,15 +91,18 @@ def consolidate(data: Tensor, metric: str, graph: Tensor, removed: Tensor) -> Tu
     return kept_rows, out
 
 
-def link_new_rows(data: Tensor, metric: str, graph: Tensor, candidates: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+def link_new_rows(data: Tensor, metric: str, graph: Tensor, candidates: Tensor,
+                  reverse_share: float = 1.0) -> Tuple[Tensor, Tensor, Tensor]:
     """Rows for new vertices and the rows their reverse edges change. ``graph`` int32 [N, degree]
     over the first N rows of ``data``, ``candidates`` int64 [B, c] for the new rows N .. N + B - 1
     (ids into data, -1 padded). Returns ``(new_rows int32 [B, degree], changed int64 [r],
     changed_rows int32 [r, degree])``: the graph with the new vertices is ``graph`` with
     ``graph[changed] = changed_rows``, then ``new_rows`` appended. Nothing is written.
 
-    Each new row is pruned from its candidates. Then every row a new row links to takes the new
-    vertices that link to it (the reverse edges, which make the new vertices reachable): where
+    Each new row is pruned from its candidates. Then every row among the nearest
+    ``reverse_share`` of a new row's entries (the build's rho, ``reverse_ratio``: the share of a
+    pool, nearest first, that gets a reverse edge) takes the new vertices that link to it (the
+    reverse edges, which make the new vertices reachable): where
     they fit, beside its entries, sorted by distance; where the row would overflow ``degree``,
     the row and its newcomers lose their surplus, farthest covered entries first
     (``prune_rows(shrink=True)``: one pass over the row's entries per newcomer, where pruning
@@ -108,8 +112,9 @@ def link_new_rows(data: Tensor, metric: str, graph: Tensor, candidates: Tensor) 
     device = graph.device
     new = torch.arange(n, n + candidates.shape[0], device=device)
     new_rows = prune_rows(data, metric, new, candidates, degree)
-    target = new_rows.flatten().long()
-    source = new.repeat_interleave(degree)
+    reverse = max(1, min(degree, math.ceil(reverse_share * degree)))
+    target = new_rows[:, :reverse].flatten().long()  # rows are ascending by distance
+    source = new.repeat_interleave(reverse)
     linked = target >= 0
     target, source = target[linked], source[linked]
     no_change = (new_rows, torch.empty(0, dtype=torch.long, device=device),

@@ -125,7 +125,8 @@ class Index:
         store_data, store_graph = self._room_for(b)
         store_data[n:n + b] = vectors
         new_rows, changed, changed_rows = editing.link_new_rows(
-            store_data[:n + b], self.metric, self.graph, torch.cat([found, among], dim=1))
+            store_data[:n + b], self.metric, self.graph, torch.cat([found, among], dim=1),
+            self.build_params.reverse_ratio)
         store_graph[n:n + b] = new_rows
         store_graph[changed] = changed_rows
         self._store = store_data, store_graph
