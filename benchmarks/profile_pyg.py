@@ -34,7 +34,8 @@ def main():
         x = torch.randn(clouds * n, dim, generator=torch.Generator(device="cuda").manual_seed(0), device="cuda")
         call = lambda: knn_graph(x, k, batch, batch_size=clouds)  # noqa: E731
         whole = median_ms(call, 20)
-        op = median_ms(lambda: torch.ops.grnnd.knn_segments(x, x, None, batch, k + 1, batch_x=batch, examples=clouds), 20)
+        op = median_ms(lambda: torch.ops.grnnd.knn_segments(x, x, None, batch, k + 1, batch_x=batch,
+                                                            examples=clouds), 20)
         print(f"{clouds} x {n}, d = {dim}, k = {k}: knn_graph {whole:.3f} ms, knn_segments op {op:.3f} ms, "
               f"wrapper {whole - op:.3f} ms", flush=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,

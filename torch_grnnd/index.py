@@ -81,7 +81,8 @@ class Index:
     def add(self, vectors: Tensor, ids: Optional[Tensor] = None) -> None:
         """Add ``vectors`` [B, D] (same dtype and device as the index) as new vertices of the
         graph, without a rebuild: each finds its candidates by a search of the graph (and among
-        the batch), keeps them by the build's rule, and the rows it links to take it in. A batch
+        the batch), keeps them by the build's rule, and the nearest ``reverse_ratio`` share of the
+        rows it links to take it in (as the build gives reverse edges). A batch
         of at least a quarter of the index's rows (``LARGE_ADD_SHARE``) instead gets its own
         graph, which is merged with the index's (:func:`torch_grnnd.merge`). ``ids``:
         their user ids, required when the index has ids (distinct, not in the index yet). A
