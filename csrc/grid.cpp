@@ -41,13 +41,13 @@ at::Tensor cell_keys(const GridView& g, const at::Tensor& p, const at::Tensor& e
 }  // namespace
 
 bool use_grid(const std::string& method, const at::Tensor& x, int64_t examples, int64_t k) {
-  if (method == "scan") return false;
+  if (method == "scan" || examples < 1) return false;  // no example: no rows to bin, nothing to find
   if (method == "grid") {
     TORCH_CHECK_VALUE(k <= kGridMaxK, "knn_segments: method=\"grid\" takes k <= ", kGridMaxK, ", got ", k);
     return true;
   }
   TORCH_CHECK_VALUE(method == "auto", "method: expected \"auto\", \"grid\" or \"scan\", got \"", method, "\"");
-  if (x.size(0) == 0 || x.size(1) > kGridMaxDim || k > kGridMaxK || examples < 1) return false;
+  if (x.size(0) == 0 || x.size(1) > kGridMaxDim || k > kGridMaxK) return false;
   const double points = static_cast<double>(x.size(0)), per_example = points / static_cast<double>(examples);
   if (!x.is_cuda()) return per_example >= kCpuGridMinRowsPerExample;
   return points * per_example * kCudaScanSecondsPerPair > kCudaGridFixedSeconds + points * kCudaGridSecondsPerPoint;

@@ -125,9 +125,9 @@ std::tuple<at::Tensor, at::Tensor> knn_grid_cuda(const Grid& grid, const at::Ten
                                                  int64_t examples, int64_t k);
 }  // namespace cuda
 
-// knn_segments' choice: whether the grid is the faster exact path for these inputs (x in
-// `examples` examples; "auto",
-// from costs measured per device), or the one asked for ("grid" or "scan"; anything else raises).
+// knn_segments' choice: whether the grid is the faster exact path for x in `examples` examples
+// ("auto", from costs measured per device), or the one asked for ("grid" or "scan"; anything
+// else raises). Never with no example.
 bool use_grid(const std::string& method, const at::Tensor& x, int64_t examples, int64_t k);
 
 }  // namespace grnnd

@@ -26,7 +26,7 @@ std::tuple<at::Tensor, at::Tensor> knn_segments_cpu(const at::Tensor& x, const a
   const at::Tensor xs = x.contiguous(), ys = y.contiguous();
   const at::Tensor ptr = segments.as_ptr(), batch = batch_y.contiguous();
   const int64_t nx = xs.size(0), ny = ys.size(0), dim = xs.size(1), examples = segments.examples;
-  if (examples > 0 && use_grid(std::string(method), xs, examples, k)) {
+  if (use_grid(std::string(method), xs, examples, k)) {
     const Grid grid = make_grid(xs, ptr);
     if (grid.valid) return knn_grid_cpu(grid, ys, batch, examples, k);
     TORCH_CHECK_VALUE(method != "grid", "knn_segments: method=\"grid\" needs ascending ptr_x");

@@ -327,8 +327,7 @@ std::tuple<at::Tensor, at::Tensor> knn_segments_cuda(const at::Tensor& x, const 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   const at::Tensor xs = x.contiguous(), ys = y.contiguous();
   const at::Tensor batch = batch_y.contiguous();
-  if (ys.size(0) > 0 && xs.size(0) > 0 && segments.examples > 0 &&
-      use_grid(std::string(method), xs, segments.examples, k)) {
+  if (ys.size(0) > 0 && xs.size(0) > 0 && use_grid(std::string(method), xs, segments.examples, k)) {
     const Grid grid = make_grid(xs, segments.as_ptr());
     if (grid.valid) return knn_grid_cuda(grid, ys, batch, segments.examples, k);
     TORCH_CHECK_VALUE(method != "grid", "knn_segments: method=\"grid\" needs ascending ptr_x");
