@@ -3,13 +3,17 @@
 
     python benchmarks/bench_out_of_core.py --sets blobs:10000000x1024 --budget 8GB
     python benchmarks/bench_out_of_core.py --sets blobs:2000000x128,zipf:2000000x384 --budget 1GB
+    python benchmarks/bench_out_of_core.py --sets blobs:100000000x96 --budget free --skip-in-memory \
+        --queries 10000 --name 100m
 
 Clustered float16 rows as bench_scale.py makes them (blobs, zipf), moved to pinned host memory.
 For each set: the in-memory build (rows on the GPU), then `grnnd.build(host_rows,
 device="cuda", max_gpu_memory=budget)`, with the build time (wall clock, the copies in
 included), peak GPU memory beyond what was allocated before, peak host memory of the process
 (ru_maxrss), shards and shared rows, and recall@10 at list 64 of a GPU search of each graph against
-exact neighbours (grnnd.knn, 1 000 queries). Writes out_of_core_<gpu>.{json,md} under --out.
+exact neighbours (grnnd.knn, --queries queries). `--budget free` leaves the budget to the build
+(what the GPU has free); `--skip-in-memory` leaves out the in-memory build, for sets whose build
+does not fit on the GPU. Writes out_of_core_<gpu>[_<name>].{json,md} under --out.
 """
 import argparse
 import json
@@ -39,41 +43,50 @@ def peak_host_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
 
-def measure(family: str, n: int, d: int, budget: str) -> dict:
-    base, queries = make_set(family, n, d)
+def measure(family: str, n: int, d: int, budget: str, queries: int, in_memory: bool) -> dict:
+    base, queries = make_set(family, n, d, queries=queries)
     truth = grnnd.knn(base, queries, K)[1]
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    whole = grnnd.build(base)
-    torch.cuda.synchronize()
-    whole_s = time.perf_counter() - start
-    whole_recall = recall_of(whole, base, queries, truth)
-    del whole
+    whole_s = whole_recall = None
+    if in_memory:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        whole = grnnd.build(base)
+        torch.cuda.synchronize()
+        whole_s = time.perf_counter() - start
+        whole_recall = recall_of(whole, base, queries, truth)
+        del whole
     host = torch.empty(base.shape, dtype=base.dtype, pin_memory=True)
     host.copy_(base)
     del base
     torch.cuda.empty_cache()
     params = grnnd.BuildParams()
-    rows = out_of_core.parse_bytes(budget) // out_of_core.bytes_per_row(d, host.element_size(), params)
+    max_memory = None if budget == "free" else budget
+    bytes_free = out_of_core.parse_bytes(budget) if max_memory else out_of_core._free_bytes(torch.device("cuda"))
+    rows = bytes_free // out_of_core.bytes_per_row(d, host.element_size(), params)
     members, _, secondary, centres = out_of_core.plan_shards(host, rows, "l2", torch.device("cuda"), params.seed)
     shards, shared = len(members), float((secondary >= 0).float().mean())
+    shard_rows = sum(m.numel() for m in members)  # progress counts rows: the shards' then the joined ones
+    del members, secondary, centres
     steps = []
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    graph = grnnd.build(host, device="cuda", max_gpu_memory=budget,
+    graph = grnnd.build(host, device="cuda", max_gpu_memory=max_memory,
                         progress=lambda done, total: steps.append((done, total, time.perf_counter() - start)))
     sharded_s = time.perf_counter() - start
+    shards_done = next(t for done, _, t in steps if done >= shard_rows)
     peak_gpu = torch.cuda.max_memory_allocated() - before
     base = host.cuda()
     del host
     sharded_recall = recall_of(graph, base, queries, truth)
-    reached = float(grnnd.diagnostics.reachable(graph.cuda(), grnnd.diagnostics.hubs(base)).float().mean())
+    graph = graph.cuda()
+    reached = float(grnnd.diagnostics.reachable(graph, grnnd.diagnostics.hubs(base)).float().mean())
     row = {"set": f"{family}:{n}x{d}", "budget": budget, "in_memory_s": whole_s, "in_memory_recall": whole_recall,
-           "out_of_core_s": sharded_s, "out_of_core_recall": sharded_recall, "ratio": sharded_s / whole_s,
-           "shards": shards, "shared_rows": shared, "centres": int(centres.numel()), "steps": steps,
-           "shards_done_s": steps[shards - 1][2], "joins_s": steps[-1][2] - steps[shards - 1][2],
+           "out_of_core_s": sharded_s, "out_of_core_recall": sharded_recall,
+           "ratio": sharded_s / whole_s if whole_s else None, "queries": int(queries.shape[0]),
+           "shards": shards, "shared_rows": shared, "steps": steps,
+           "shards_done_s": shards_done, "joins_s": steps[-1][2] - shards_done,
            "peak_gpu_bytes": peak_gpu, "peak_host_gib": peak_host_gib(), "reachable": reached,
            "degree_min": int((graph >= 0).sum(1).min())}
     print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
@@ -82,10 +95,17 @@ def measure(family: str, n: int, d: int, budget: str) -> dict:
     return row
 
 
+def _or_dash(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sets", default="blobs:10000000x1024", help="family:NxD, comma separated")
-    p.add_argument("--budget", default="8GB")
+    p.add_argument("--budget", default="8GB", help="bytes, a size like 8GB, or free (what the GPU has free)")
+    p.add_argument("--queries", type=int, default=1000)
+    p.add_argument("--skip-in-memory", action="store_true", help="no in-memory build (it would not fit)")
+    p.add_argument("--name", default="", help="suffix of the result files")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the stages' times
@@ -93,23 +113,25 @@ def main():
     for spec in args.sets.split(","):
         family, shape = spec.split(":")
         n, d = (int(v) for v in shape.split("x"))
-        rows.append(measure(family, n, d, args.budget))
+        rows.append(measure(family, n, d, args.budget, args.queries, not args.skip_in_memory))
     name = torch.cuda.get_device_name().split()[1].lower()
     m = machine(threads=torch.get_num_threads(), cuda=True)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"out_of_core_{name}")
+    stem = os.path.join(args.out, f"out_of_core_{name}" + (f"_{args.name}" if args.name else ""))
     with open(stem + ".json", "w") as f:
         json.dump({"machine": m, "rows": rows}, f, indent=1)
     lines = [f"# Out-of-core build against the in-memory build, {torch.cuda.get_device_name()}", "",
-             f"Machine: {machine_line(m)}. `python benchmarks/bench_out_of_core.py --sets {args.sets} "
-             f"--budget {args.budget}`; float16 clustered rows in pinned host memory; recall@10 at list {LIST} "
-             "(GPU search, 1 000 queries, exact neighbours from grnnd.knn).", "",
-             "| set | budget | in-memory s | recall | out-of-core s (plan + shards, joins) | ratio | recall | shards | "
+             f"Machine: {machine_line(m)}. `python benchmarks/bench_out_of_core.py {' '.join(sys.argv[1:])}`; "
+             f"float16 clustered rows in pinned host memory; recall@10 at list {LIST} "
+             f"(GPU search, {args.queries} queries, exact neighbours from grnnd.knn).", "",
+             "| set | budget | in-memory s | recall | out-of-core s (plan + shards, joins) | ratio (x) | recall | shards | "
              "shared rows | peak GPU GiB | peak host GiB | reachable | min degree |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['set']} | {r['budget']} | {r['in_memory_s']:.2f} | {r['in_memory_recall']:.4f} | "
-                     f"{r['out_of_core_s']:.2f} ({r['shards_done_s']:.1f}, {r['joins_s']:.1f}) | {r['ratio']:.2f}x | {r['out_of_core_recall']:.4f} | {r['shards']} | "
+        lines.append(f"| {r['set']} | {r['budget']} | {_or_dash(r['in_memory_s'], '.2f')} | "
+                     f"{_or_dash(r['in_memory_recall'], '.4f')} | {r['out_of_core_s']:.2f} ({r['shards_done_s']:.1f}, "
+                     f"{r['joins_s']:.1f}) | {_or_dash(r['ratio'], '.2f')} | {r['out_of_core_recall']:.4f} | "
+                     f"{r['shards']} | "
                      f"{r['shared_rows']:.2f} | {r['peak_gpu_bytes'] / 2**30:.2f} | {r['peak_host_gib']:.1f} | "
                      f"{r['reachable']:.6f} | {r['degree_min']} |")
     with open(stem + ".md", "w") as f:

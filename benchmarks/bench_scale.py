@@ -39,13 +39,14 @@ LISTS = (32, 64, 128)  # list sizes measured by default; 64 is the one the PNG a
 QUERIES = 1000
 
 
-def make_set(family: str, n: int, d: int, seed: int = 0, chunk: int = 1 << 20, want_labels: bool = False):
+def make_set(family: str, n: int, d: int, seed: int = 0, chunk: int = 1 << 20, want_labels: bool = False,
+             queries: int = QUERIES):
     """(base, queries) float16 on the GPU; rows made chunk by chunk (10M x 1024 is 20 GB). With
     ``want_labels``, also the cluster of every row: (base, queries, base_labels, query_labels)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     clusters = max(n // 1000, 10)
     centres = torch.randn(clusters, d, generator=g, device="cuda") * 3
-    total = n + QUERIES
+    total = n + queries
     if family == "blobs":
         labels = torch.randint(clusters, (total,), generator=g, device="cuda")
     elif family == "zipf":
