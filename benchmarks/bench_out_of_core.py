@@ -63,10 +63,10 @@ def measure(family: str, n: int, d: int, budget: str, queries: int, in_memory: b
     max_memory = None if budget == "free" else budget
     bytes_free = out_of_core.parse_bytes(budget) if max_memory else out_of_core._free_bytes(torch.device("cuda"))
     rows = bytes_free // out_of_core.bytes_per_row(d, host.element_size(), params)
-    members, _, secondary, centres = out_of_core.plan_shards(host, rows, "l2", torch.device("cuda"), params.seed)
-    shards, shared = len(members), float((secondary >= 0).float().mean())
-    shard_rows = sum(m.numel() for m in members)  # progress counts rows: the shards' then the joined ones
-    del members, secondary, centres
+    plan = out_of_core.plan_shards(host, rows, "l2", torch.device("cuda"), params.seed)
+    shards, shared = len(plan.members), float((plan.secondary >= 0).float().mean())
+    shard_rows = sum(m.numel() for m in plan.members)  # progress counts rows: the shards' then the joined ones
+    del plan
     steps = []
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

@@ -37,8 +37,8 @@ def test_sharded_build_recalls_as_the_whole_build(blobs, blobs_truth, blobs_grap
     reports = []
     graph = grnnd.build(data, device="cpu", max_gpu_memory=budget_for(int(n / shards_worth), data),
                         progress=lambda done, total: reports.append((done, total)))
-    members, primary, secondary, centres = out_of_core.plan_shards(data, int(n / shards_worth), "l2",
-                                                                   torch.device("cpu"), 0)
+    members, primary, secondary, centres, _ = out_of_core.plan_shards(data, int(n / shards_worth), "l2",
+                                                                      torch.device("cpu"), 0)
     assert len(members) >= 3  # the budget really split the build
     # each row in its own shard, a shared row in a second, the centres in every shard
     assert sum(m.numel() for m in members) == n + int((secondary >= 0).sum()) + (len(members) - 1) * centres.numel()
@@ -62,7 +62,7 @@ def test_rows_of_two_shards_get_edges_into_both(blobs):
     data, _ = blobs
     n = data.shape[0]
     graph = grnnd.build(data, device="cpu", max_gpu_memory=budget_for(n // 3, data))
-    members, primary, secondary, _ = out_of_core.plan_shards(data, n // 3, "l2", torch.device("cpu"), 0)
+    members, primary, secondary, _, _ = out_of_core.plan_shards(data, n // 3, "l2", torch.device("cpu"), 0)
     shared = (secondary >= 0).nonzero().flatten()
     rows = graph[shared].long()
     into_secondary = ((primary[rows.clamp_min(0)] == secondary[shared].unsqueeze(1)) & (rows >= 0)).any(1)
