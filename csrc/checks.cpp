@@ -120,6 +120,18 @@ void check_same_device(const at::Tensor& a, const char* a_name, const at::Tensor
                     "; move them to the same device");
 }
 
+void check_gather_rows(const at::Tensor& data, const at::Tensor& ids) {
+  TORCH_CHECK_VALUE(data.dim() == 2, "data: expected a matrix [n, dim], got ", data.dim(), " dims");
+  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids: expected int64 [m], got ",
+                    ids.scalar_type(), " with ", ids.dim(), " dims");
+  if (ids.numel() > 0 && contents_readable(ids)) {
+    const auto [low, high] = at::aminmax(ids);
+    const int64_t lo = low.item<int64_t>(), hi = high.item<int64_t>();
+    TORCH_CHECK_INDEX(lo >= 0 && hi < data.size(0), "ids: expected ids in [0, ", data.size(0), "), got ",
+                      lo < 0 ? lo : hi);
+  }
+}
+
 void check_same_dim(const at::Tensor& data, const at::Tensor& queries) {
   TORCH_CHECK_VALUE(queries.size(1) == data.size(1), "queries: expected dim ", data.size(1),
                     " to match data, got ", queries.size(1));

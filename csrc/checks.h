@@ -32,6 +32,9 @@ void check_k(int64_t k, int64_t n, const char* what);
 // outside [0, n) and order NaN distances last).
 bool contents_readable(const at::Tensor& t);
 
+// gather_rows' inputs: data a matrix of rows, ids int64 [m] in [0, n) (read unless captured).
+void check_gather_rows(const at::Tensor& data, const at::Tensor& ids);
+
 // A graph as `build` returns it: int32 [n, degree], -1 as padding; its shape, type and device.
 void check_graph(const at::Tensor& graph, const at::Tensor& data);
 

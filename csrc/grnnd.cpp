@@ -72,6 +72,10 @@ TORCH_LIBRARY(grnnd, m) {
   m.def(
       "prune_rows(Tensor data, Tensor vertices, Tensor candidates, int degree, *, str metric=\"l2\", "
       "bool rule=True, int fixed=0, bool shrink=False) -> Tensor");
+  // The rows data[ids] on ids' device (int64 ids in [0, n)). On a GPU, data may sit in pinned host
+  // memory: a kernel reads the rows through unified addressing, so an out-of-core build copies
+  // in only the rows it names, without gathering them on the host first.
+  m.def("gather_rows(Tensor data, Tensor ids) -> Tensor");
   // graph (as build returns it, rows ascending by distance) with every vertex made reachable from
   // the search's entry points, as the build's last step does (csrc/reachability.h).
   m.def("connect(Tensor data, Tensor graph, *, str metric=\"l2\") -> Tensor");
@@ -115,5 +119,6 @@ TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
   m.impl("connect", [](const at::Tensor&, const at::Tensor&, c10::string_view) -> at::Tensor {
     no_cuda_kernel("connect");
   });
+  m.impl("gather_rows", [](const at::Tensor&, const at::Tensor&) -> at::Tensor { no_cuda_kernel("gather_rows"); });
 }
 #endif

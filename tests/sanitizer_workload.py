@@ -3,12 +3,14 @@
     compute-sanitizer --tool memcheck python tests/sanitizer_workload.py
     compute-sanitizer --tool racecheck python tests/sanitizer_workload.py
     compute-sanitizer --tool racecheck python tests/sanitizer_workload.py editing   # one part
+    (parts: edge_sizes, hubs_and_repair, segments, editing, out_of_core)
 """
 import sys
 
 import torch
 
 import torch_grnnd as grnnd
+from torch_grnnd import out_of_core as out_of_core_build
 
 
 def main():
@@ -155,6 +157,21 @@ def editing(g: torch.Generator):
     grnnd.merge(index, other, outer_iters=2, inner_iters=2)
     junk = torch.randint(-5, 7000, (6000, 40), generator=g, device="cuda", dtype=torch.int32)
     grnnd.build(data, degree=16, pool_size=32, outer_iters=1, inner_iters=2, init=junk)
+
+
+def out_of_core(g: torch.Generator):
+    # gather_rows from pinned host rows: 16-, 8-, 4-, 2- and 1-byte words, rows at an offset
+    for dtype, dim in [(torch.float16, 1024), (torch.float16, 4), (torch.float32, 3), (torch.float16, 3),
+                       (torch.int8, 5)]:
+        host = (torch.randn(700, dim) * 50).to(dtype).pin_memory()
+        ids = torch.randint(0, 699, (2000,), generator=g, device="cuda")
+        torch.ops.grnnd.gather_rows(host, ids)
+        torch.ops.grnnd.gather_rows(host[1:], ids)
+    # A build in shards from host rows: read by the GPU (pinned) and through the staging buffer.
+    rows = torch.randn(6000, 24).half()
+    budget = 1500 * out_of_core_build.bytes_per_row(24, 2, grnnd.BuildParams())
+    for host in (rows.pin_memory(), rows):
+        grnnd.build(host, device="cuda", max_gpu_memory=budget, outer_iters=2, inner_iters=2)
 
 
 if __name__ == "__main__":

@@ -112,12 +112,15 @@ def test_an_interrupted_build_raises_and_leaves_no_worker():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("metric", ["l2", "cosine"])
-def test_host_rows_built_on_the_gpu_in_shards(metric):
+@pytest.mark.parametrize("pinned", [True, False])
+def test_host_rows_built_on_the_gpu_in_shards(metric, pinned):
+    # Pinned rows are read by the GPU where they lie; others go through the pinned staging buffer.
     data = clustered(40_500, 48, 80, seed=1).half()
     data, queries = data[:40_000].contiguous(), data[40_000:].contiguous()
     truth = exact_neighbours(data, queries, 10, metric)[1]
     whole = grnnd.build(data.cuda(), metric=metric).cpu()
-    graph = grnnd.build(data.pin_memory(), metric=metric, device="cuda", max_gpu_memory=budget_for(12_000, data))
+    host = data.pin_memory() if pinned else data
+    graph = grnnd.build(host, metric=metric, device="cuda", max_gpu_memory=budget_for(12_000, data))
     assert graph.device.type == "cpu"
     check_graph(graph, 40_000)
     r_whole = recall(data, whole, queries, truth, metric)
@@ -133,13 +136,54 @@ def test_join_chunks_copy_in_only_the_rows_they_read_within_the_buffer():
     slot = torch.full((n,), -1, dtype=torch.int64)
     slot[shared] = torch.arange(shared.numel())
     second = torch.randint(-1, n, (shared.numel(), degree), generator=generator, dtype=torch.int32)
-    capacity = 200  # a chunk of capacity // 8 rows reads more than this: the chunks shrink
-    chunks = list(out_of_core._join_chunks(shared, graph, second, slot, n, capacity))
-    parts = torch.cat([part for _, (part, _) in chunks])
+    capacity = 200  # a chunk of capacity // 4 rows reads more than this: the chunks shrink
+    chunks = list(out_of_core._join_chunks(shared, graph, second, slot, capacity, torch.device("cpu")))
+    parts = torch.cat([part for part, _, _ in chunks])
     assert torch.equal(parts, shared)  # every shared row once, in the given order
-    for needed, (part, candidates) in chunks:
+    for part, candidates, needed in chunks:
         assert needed.numel() <= capacity and bool((needed[1:] > needed[:-1]).all())
         assert torch.equal(candidates, torch.cat([graph[part], second[slot[part]]], 1))
         read = torch.cat([part, candidates[candidates >= 0].long()]).unique()
         assert torch.equal(needed, read)
-    assert max(part.numel() for _, (part, _) in chunks) < capacity // 8
+    assert max(part.numel() for part, _, _ in chunks) < capacity // 4
+
+
+def test_gather_rows_on_the_cpu_and_its_errors():
+    data = torch.randn(50, 7)
+    ids = torch.tensor([4, 0, 49, 4])
+    assert torch.equal(torch.ops.grnnd.gather_rows(data, ids), data[ids])
+    assert torch.ops.grnnd.gather_rows(data, ids[:0]).shape == (0, 7)
+    with pytest.raises(IndexError, match=r"ids: expected ids in \[0, 50\), got 50"):
+        torch.ops.grnnd.gather_rows(data, torch.tensor([1, 50]))
+    with pytest.raises(IndexError, match="got -1"):
+        torch.ops.grnnd.gather_rows(data, torch.tensor([-1]))
+    with pytest.raises(ValueError, match="ids: expected int64"):
+        torch.ops.grnnd.gather_rows(data, ids.int())
+    with pytest.raises(ValueError, match="data: expected a matrix"):
+        torch.ops.grnnd.gather_rows(data[0], ids)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype, dim", [(torch.float16, 1024), (torch.float16, 4), (torch.float32, 3),
+                                        (torch.float16, 3), (torch.int8, 5), (torch.float32, 0)])
+def test_gather_rows_reads_pinned_host_rows_from_the_gpu(dtype, dim):
+    # row widths of 2048, 8, 12, 6 and 5 bytes: 16-, 8-, 4-, 2- and 1-byte words
+    data = (torch.randn(3000, dim) * 50).to(dtype).pin_memory()
+    ids = torch.randint(0, 3000, (10_000,), device="cuda")
+    rows = torch.ops.grnnd.gather_rows(data, ids)
+    assert rows.device == ids.device and rows.dtype == dtype
+    assert torch.equal(rows.cpu(), data[ids.cpu()])
+    assert torch.equal(torch.ops.grnnd.gather_rows(data[1:], ids[:5]).cpu(), data[1:][ids[:5].cpu()])  # offset rows
+    assert torch.ops.grnnd.gather_rows(data, ids[:0]).shape == (0, dim)
+    assert torch.equal(torch.ops.grnnd.gather_rows(data.cuda(), ids), data.cuda()[ids])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gather_rows_from_the_gpu_needs_pinned_rows():
+    ids = torch.tensor([0, 2], device="cuda")
+    with pytest.raises(ValueError, match="pinned"):
+        torch.ops.grnnd.gather_rows(torch.randn(10, 4), ids)
+    with pytest.raises(IndexError, match="got 10"):
+        torch.ops.grnnd.gather_rows(torch.randn(10, 4).pin_memory(), torch.tensor([10], device="cuda"))

@@ -51,7 +51,7 @@ PRIMARY_SHARE = 0.5
 ASSIGN_CHUNK_ROWS = 1 << 18
 ASSIGN_CHUNK_SCORES = 1 << 26
 # Rows joined per prune_rows call.
-JOIN_CHUNK_ROWS = 1 << 18
+JOIN_CHUNK_ROWS = 1 << 19
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -223,10 +223,9 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
             logger.info("out-of-core build: %d shards built after %.2f s more", len(members),
                         time.perf_counter() - started)
             started = time.perf_counter()
-            chunks = _join_chunks(shared_rows, graph, second_graph, slot, n, loader.capacity)
-            for rows, needed, (part, candidates) in loader.stream(chunks):
-                graph[part] = _join(rows, needed.to(device), part.to(device), candidates.to(device), params, metric)
-                del rows
+            for part, candidates, needed in _join_chunks(shared_rows, graph, second_graph, slot, loader.capacity,
+                                                         device):
+                graph[part] = _join(loader.rows(needed), needed, part.to(device), candidates, params, metric)
                 done += part.numel()
                 report(done, total)
             logger.info("out-of-core build: %d shared rows joined in %.2f s", shared_rows.numel(),
@@ -266,21 +265,24 @@ def _shared_by_cell(secondary: Tensor, cell: Tensor) -> Tensor:
     return shared[torch.sort(cell[shared], stable=True).indices]
 
 
-def _join_chunks(shared: Tensor, graph: Tensor, second_graph: Tensor, slot: Tensor, n: int,
-                 capacity: int) -> Iterator[Tuple[Tensor, Tuple[Tensor, Tensor]]]:
-    """``(needed, (part, candidates))`` for consecutive chunks of the shared rows: ``part`` the
-    rows joined (int64), ``candidates`` their two rows side by side (int32 [m, 2 x degree], global
-    ids), ``needed`` (int64, ascending) the rows a join of them reads, at most ``capacity``.
+def _join_chunks(shared: Tensor, graph: Tensor, second_graph: Tensor, slot: Tensor, capacity: int,
+                 device: torch.device) -> Iterator[Tuple[Tensor, Tensor, Tensor]]:
+    """``(part, candidates, needed)`` for consecutive chunks of the shared rows: ``part`` the rows
+    joined (int64, on the host), ``candidates`` their two rows side by side (int32 [m, 2 x
+    degree], global ids, on ``device``), ``needed`` (int64, ascending, on ``device``) the rows a
+    join of them reads, at most ``capacity``.
 
     Only these rows are copied in, not the two shards of each row (10M x 1024 in 14 shards: 91
-    pairs of shards of 1.3M rows each, whose copies took 26 s for the joins of 8.8M rows)."""
-    mark = torch.zeros(n + 1, dtype=torch.bool)  # the last place takes the -1 padding
-    most = max(1, min(JOIN_CHUNK_ROWS, capacity // 8))
+    pairs of shards of 1.3M rows each, whose copies took 26 s for the joins of 8.8M rows). Which
+    rows a chunk reads is found on the device: on the host it took 24 s of those rows' 34."""
+    n = graph.shape[0]
+    mark = torch.zeros(n + 1, dtype=torch.bool, device=device)  # the last place takes the -1 padding
+    most = max(1, min(JOIN_CHUNK_ROWS, capacity // 4))
     start, take = 0, most
     while start < shared.numel():
         part = shared[start:start + take]
-        candidates = torch.cat([graph[part], second_graph[slot[part]]], dim=1)
-        mark[part] = True
+        candidates = torch.cat([graph[part], second_graph[slot[part]]], dim=1).to(device)
+        mark[part.to(device)] = True
         mark[candidates.flatten().long()] = True
         mark[n] = False
         needed = mark.nonzero().flatten()
@@ -288,43 +290,63 @@ def _join_chunks(shared: Tensor, graph: Tensor, second_graph: Tensor, slot: Tens
         if needed.numel() > capacity and take > 1:
             take = max(1, take // 2)  # these rows point far and wide: take fewer at once
             continue
-        yield needed, (part, candidates)
+        yield part, candidates, needed
         start += part.numel()
-        take = min(most, 2 * take)
+        # The next chunk as large as this one's rows read per row joined lets it be.
+        take = max(1, min(most, int(0.9 * capacity * part.numel() / needed.numel())))
 
 
 class _RowLoader:
-    """Chosen rows of ``data`` on the device, batch after batch; the next batch is formed and its
-    rows gathered by a worker thread while the device works on the current one. From host rows
-    onto a GPU they are gathered into one pinned buffer of ``capacity`` rows, so the copies run at
-    full speed and nothing is pinned anew each step; the buffer is pinned by the worker, while the
-    caller goes on. Only one batch is held on the device at a time."""
+    """Chosen rows of ``data`` on the device. Pinned host rows are read by the GPU where they lie
+    (``torch.ops.grnnd.gather_rows``, through unified addressing); other host rows are gathered
+    on the host into one pinned buffer of ``capacity`` rows, so the copies run at full speed and
+    nothing is pinned anew each step (the worker pins it while the caller goes on). In
+    :meth:`stream`, the next batch is formed, and its rows gathered on the host where they must
+    be, by the worker while the device works on the current one."""
 
     def __init__(self, data: Tensor, capacity: int, device: torch.device,
                  worker: concurrent.futures.ThreadPoolExecutor):
         self.data, self.capacity, self.device, self.worker = data, min(capacity, data.shape[0]), device, worker
-        self.pinned = device.type == "cuda" and data.device.type == "cpu"
-        self.buffer = worker.submit(self._pin) if self.pinned else None
+        host_to_gpu = device.type == "cuda" and data.device.type == "cpu"
+        self.direct = host_to_gpu and data.is_contiguous() and data.is_pinned()
+        self.staged = host_to_gpu and not self.direct
+        self.buffer = worker.submit(self._pin) if self.staged else None
         self.copied: Optional[torch.cuda.Event] = None
 
     def _pin(self) -> Tensor:
         return torch.empty(self.capacity, self.data.shape[1], dtype=self.data.dtype, pin_memory=True)
 
     def _gather(self, ids: Tensor) -> Tensor:
+        """The rows ``ids`` where data is (in the pinned buffer for a host-to-GPU copy)."""
         ids = ids.to(self.data.device)
-        if not self.pinned:
+        if not self.staged:
             return self.data[ids]
         if self.copied is not None:
             self.copied.synchronize()  # the buffer's last copy to the device has finished
         buffer = self.buffer.result()
         return torch.index_select(self.data, 0, ids, out=buffer[:ids.numel()])
 
+    def _to_device(self, rows: Tensor) -> Tensor:
+        rows = rows.to(self.device, non_blocking=True)
+        if self.staged:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        return rows
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """The rows ``ids`` (at most ``capacity``) on the device."""
+        if self.direct:
+            return torch.ops.grnnd.gather_rows(self.data, ids.to(self.device))
+        return self._to_device(self._gather(ids))
+
     def stream(self, batches: Iterator[Tuple[Tensor, Any]]) -> Iterator[Tuple[Tensor, Tensor, Any]]:
         """``(rows on the device, ids, payload)`` for each ``(ids, payload)`` of ``batches``
         (which the worker advances), ``ids`` at most ``capacity`` row ids."""
         def next_batch():
             item = next(batches, None)
-            return None if item is None else (self._gather(item[0]), item[0], item[1])
+            if item is None or self.direct:
+                return item
+            return self._gather(item[0]), item[0], item[1]
 
         pending = self.worker.submit(next_batch)
         try:
@@ -332,11 +354,11 @@ class _RowLoader:
                 item = pending.result()
                 if item is None:
                     return
-                host_rows, ids, payload = item
-                rows = host_rows.to(self.device, non_blocking=True)
-                if self.pinned:
-                    self.copied = torch.cuda.Event()
-                    self.copied.record()
+                if self.direct:
+                    (ids, payload), rows = item, self.rows(item[0])
+                else:
+                    host_rows, ids, payload = item
+                    rows = self._to_device(host_rows)
                 pending = self.worker.submit(next_batch)
                 yield rows, ids, payload
         finally:
