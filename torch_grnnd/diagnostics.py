@@ -35,21 +35,30 @@ def degree_summary(graph: Tensor, below: int = 8) -> Dict[str, float]:
             f"share_below_{below}": float((degrees < below).double().mean())}
 
 
+# Frontier rows whose edges one step of reachable() reads at once.
+REACH_CHUNK_ROWS = 1 << 22
+
+
 def reachable(graph: Tensor, sources: Tensor) -> Tensor:
     """bool [N]: the rows a walk along ``graph``'s edges reaches from the rows ``sources``
     (breadth first). Ids outside [0, N) are ignored."""
     n = graph.shape[0]
-    seen = torch.zeros(n, dtype=torch.bool, device=graph.device)
-    frontier = sources.to(device=graph.device, dtype=torch.long).unique()
+    seen = torch.zeros(n + 1, dtype=torch.bool, device=graph.device)  # the last place takes ids out of range
+    frontier = sources.to(device=graph.device, dtype=torch.long)
     frontier = frontier[(frontier >= 0) & (frontier < n)]
     seen[frontier] = True
     while frontier.numel() > 0:
-        following = graph[frontier].flatten().long()
-        following = following[(following >= 0) & (following < n)]
-        following = following[~seen[following]].unique()
-        seen[following] = True
-        frontier = following
-    return seen
+        # The next frontier marked row by row, a chunk of the frontier at a time: one step of a
+        # 100M-row graph would otherwise hold all its edges as int64 at once (38 GB).
+        marked = torch.zeros_like(seen)
+        for rows in frontier.split(REACH_CHUNK_ROWS):
+            following = graph[rows].flatten().long()
+            marked[torch.where((following >= 0) & (following < n), following, n)] = True
+        marked[n] = False
+        marked &= ~seen
+        seen |= marked
+        frontier = marked.nonzero().flatten()
+    return seen[:n]
 
 
 def connect(data: Tensor, graph: Tensor, metric: str = "l2") -> Tensor:
