@@ -4,8 +4,9 @@ A build needs its rows and 2 x N x pool_size x 8 bytes of pools on the device at
 that exceeds the budget, the rows are split into shards that fit, with DiskANN's overlap: the
 data is cut into cells around sampled rows (the centres), cells are grouped into spatially
 coherent shards, and a row whose two nearest cells lie in two shards belongs to both. Each
-shard is copied in (gathered on the host by a worker thread while the device builds the
-previous one), built by the ordinary build, and its rows stored on the host with global ids.
+shard is copied in (pinned host rows read by the GPU where they lie; other rows gathered on the
+host by a worker thread while the device builds the previous shard), built by the ordinary
+build, and its rows stored on the host with global ids.
 A row of two shards then has two rows, each pruned within its own shard; they are joined by
 the build's rule (``prune_rows``), which gives the edges that cross between shards. A join
 needs only the rows it reads: the shared rows go in chunks, each with the rows its two rows name
