@@ -52,7 +52,7 @@ void launch(const void* data, const at::Tensor& ids, int64_t row_bytes, at::Tens
   check_launch();
 }
 
-// The device's address of pinned host memory at `host` (the same pointer under unified
+// The device's address of the pinned host rows of `data` (the same pointer under unified
 // addressing), or an error that says how to make the rows readable.
 const void* device_address_of_host_rows(const at::Tensor& data) {
   cudaPointerAttributes attributes{};
