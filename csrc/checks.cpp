@@ -148,7 +148,6 @@ void check_graph(const at::Tensor& graph, const at::Tensor& data) {
   TORCH_CHECK_VALUE(graph.size(0) == data.size(0), "graph: has ", graph.size(0), " rows but data has ", data.size(0),
                     "; was it built on other data?");
   TORCH_CHECK_VALUE(graph.size(1) >= 1, "graph: expected at least one column, got shape ", graph.sizes());
-  check_same_device(data, "data", graph, "graph");
 }
 
 void check_filter(const c10::optional<at::Tensor>& filter, const at::Tensor& data) {
@@ -157,7 +156,15 @@ void check_filter(const c10::optional<at::Tensor>& filter, const at::Tensor& dat
   TORCH_CHECK_TYPE(f.scalar_type() == at::kBool, "filter: expected a bool tensor, got ", f.scalar_type());
   TORCH_CHECK_VALUE(f.dim() == 1 && f.size(0) == data.size(0), "filter: expected shape [", data.size(0),
                     "] (one flag per data row), got ", f.sizes());
-  check_same_device(data, "data", f, "filter");
+}
+
+void check_search_data_device(const at::Tensor& data, const at::Tensor& queries) {
+  if (queries.is_cuda() && data.device().is_cpu()) {
+    TORCH_CHECK_VALUE(data.is_pinned(), "data: rows on the CPU are searched from a GPU only from pinned memory; "
+                      "pass data.pin_memory() (or move the rows to the GPU)");
+    return;
+  }
+  check_same_device(data, "data", queries, "queries");
 }
 
 void check_build_inputs(const at::Tensor& data) {
@@ -169,11 +176,14 @@ void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const 
                          const c10::optional<at::Tensor>& filter) {
   check_points(data, "data");
   check_points(queries, "queries");
-  check_same_device(data, "data", queries, "queries");
+  check_search_data_device(data, queries);
   check_same_dim(data, queries);
   check_k(k, data.size(0), "number of data rows");
   check_filter(filter, data);
   check_graph(graph, data);
+  // The graph and the filter are read on the search's device, the queries'.
+  if (filter.has_value()) check_same_device(queries, "queries", *filter, "filter");
+  check_same_device(queries, "queries", graph, "graph");
 }
 
 void check_search_contents(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries) {

@@ -35,11 +35,15 @@ bool contents_readable(const at::Tensor& t);
 // gather_rows' inputs: data a matrix of rows, ids int64 [m] in [0, n) (read unless captured).
 void check_gather_rows(const at::Tensor& data, const at::Tensor& ids);
 
-// A graph as `build` returns it: int32 [n, degree], -1 as padding; its shape, type and device.
+// A graph as `build` returns it: int32 [n, degree], -1 as padding; its shape and type.
 void check_graph(const at::Tensor& graph, const at::Tensor& data);
 
-// A boolean mask over data ids: true = may be returned.
+// A boolean mask over data ids: true = may be returned; its shape and type.
 void check_filter(const c10::optional<at::Tensor>& filter, const at::Tensor& data);
+
+// The search's data rows lie on the queries' device or, for a search on a GPU, in pinned host
+// memory, which the kernel reads through unified addressing (an index larger than the GPU).
+void check_search_data_device(const at::Tensor& data, const at::Tensor& queries);
 
 // What each op accepts, in one place for all its kernels and devices.
 void check_build_inputs(const at::Tensor& data);

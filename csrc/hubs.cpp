@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <string>
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 namespace grnnd {
@@ -106,14 +107,29 @@ Cells partition_cells(const at::Tensor& x, const at::Tensor& lift) {
   return cells;
 }
 
+namespace {
+
+// Rows `hubs` of x on the hubs' device. A GPU search of pinned host rows (checks.h,
+// check_search_data_device) has the GPU read them through unified addressing (gather_rows'
+// CUDA kernel, called through the dispatcher so that a CPU-only build links without it).
+at::Tensor hub_rows(const at::Tensor& x, const at::Tensor& hubs) {
+  if (x.device() == hubs.device()) return x.index_select(0, hubs);
+  static const auto gather_rows = c10::Dispatcher::singleton()
+                                      .findSchemaOrThrow("grnnd::gather_rows", "")
+                                      .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return gather_rows.call(x, hubs);
+}
+
+}  // namespace
+
 at::Tensor hub_entries(const at::Tensor& x, const at::Tensor& queries, Metric metric, bool x_normalised,
                        int64_t count) {
   const int64_t n = x.size(0);
   if (hub_count(n) == 0 || count <= 0 || queries.size(0) == 0) return at::Tensor();
-  const at::Tensor hubs = hub_ids(n, x.options());
+  const at::Tensor hubs = hub_ids(n, queries.options());
   // Unit rows rank by -<q, hub> under cosine as under inner product.
   const Metric ranking = metric == Metric::kCosine && x_normalised ? Metric::kIP : metric;
-  const at::Tensor nearest = nearest_hubs(queries, x.index_select(0, hubs), count, ranking);
+  const at::Tensor nearest = nearest_hubs(queries, hub_rows(x, hubs), count, ranking);
   return hubs.index_select(0, nearest.flatten()).view_as(nearest).to(at::kInt).contiguous();
 }
 

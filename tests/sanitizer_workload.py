@@ -171,7 +171,14 @@ def out_of_core(g: torch.Generator):
     rows = torch.randn(6000, 24).half()
     budget = 1500 * out_of_core_build.bytes_per_row(24, 2, grnnd.BuildParams())
     for host in (rows.pin_memory(), rows):
-        grnnd.build(host, device="cuda", max_gpu_memory=budget, outer_iters=2, inner_iters=2)
+        graph = grnnd.build(host, device="cuda", max_gpu_memory=budget, outer_iters=2, inner_iters=2)
+    # A search of pinned host rows (hubs gathered by the GPU), whole and split into several searches.
+    queries = torch.randn(300, 24, generator=g, device="cuda").half()
+    more = torch.randn(20_000, 24).half().pin_memory()  # enough rows for hubs
+    more_graph = grnnd.build(more.cuda(), degree=16, pool_size=32, outer_iters=2, inner_iters=2)
+    for q in (queries, queries[:3]):
+        grnnd.search(rows.pin_memory(), graph.cuda(), q, 5, list_size=32)
+        grnnd.search(more, more_graph, q, 5, list_size=64, metric="l2")
 
 
 if __name__ == "__main__":

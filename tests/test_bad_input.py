@@ -191,7 +191,7 @@ CASES: Dict[str, Case] = {
                                                                  filter=torch.ones(200, device=d)),
                                           TypeError, "filter: expected a bool tensor"),
     "search: queries on another device": Case(mixed_devices, ValueError, "data is on .* but queries is on"),
-    "search: graph on another device": Case(graph_on_other_device, ValueError, "data is on .* but graph is on"),
+    "search: graph on another device": Case(graph_on_other_device, ValueError, "queries is on .* but graph is on"),
     "search: data on cuda:0, queries on cuda:1": Case(two_gpus, ValueError,
                                                       "data is on cuda:0 but queries is on cuda:1",
                                                       needs_two_gpus=True),

@@ -335,6 +335,48 @@ def test_out_of_range_graph_ids(points, graph_for):
     assert (ids >= 0).all()
 
 
+@pytest.mark.parametrize("batch", [1000, 4])  # 4: split into several searches per query
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_pinned_host_rows_are_searched_as_rows_on_the_gpu(points, graph_for, dtype, metric, batch):
+    """Data rows in pinned host memory are read by the kernel where they lie (unified
+    addressing): the same walk as over a device copy of the rows, so the same answers, bit for bit."""
+    data, graph, queries = points[0].to(dtype), graph_for(metric).cuda(), points[1][:batch].to(dtype).cuda()
+    host = data.pin_memory()
+    ref = grnnd.search(data.cuda(), graph, queries, K, list_size=64, metric=metric)
+    got = grnnd.search(host, graph, queries, K, list_size=64, metric=metric)
+    assert got[1].is_cuda and torch.equal(ref[1], got[1]) and torch.equal(ref[0], got[0])
+    assert torch.equal(grnnd.search_distance_counts(host, graph, queries, K, list_size=64, metric=metric),
+                       grnnd.search_distance_counts(data.cuda(), graph, queries, K, list_size=64, metric=metric))
+
+
+def test_pinned_host_rows_in_an_index_with_removed_rows(points, graph_for):
+    data, graph, queries = points[0], graph_for("l2").cuda(), points[1][:300].cuda()
+    removed = torch.rand(N, generator=torch.Generator().manual_seed(7)) < 0.3
+    on_gpu = grnnd.Index(data.cuda(), graph, removed=removed.cuda())
+    on_host = grnnd.Index(data.pin_memory(), graph, removed=removed)
+    ref, got = on_gpu.search(queries, K, list_size=64), on_host.search(queries, K, list_size=64)
+    assert torch.equal(ref[1], got[1]) and torch.equal(ref[0], got[0])
+    assert not removed[got[1][got[1] >= 0].cpu()].any(), "a removed row was returned"
+
+
+def test_host_rows_that_cannot_be_read_where_they_lie_raise(points, graph_for):
+    data, graph, queries = points[0], graph_for("l2").cuda(), points[1][:8].cuda()
+    with pytest.raises(ValueError, match=r"pinned memory; pass data.pin_memory\(\)"):
+        grnnd.search(data, graph, queries, K)
+    with pytest.raises(ValueError, match="must be float32, float16 or bfloat16, contiguous"):
+        grnnd.search(data.double().pin_memory(), graph, queries.double(), K)
+    wide = torch.cat([data, data], dim=1).pin_memory()
+    with pytest.raises(ValueError, match="must be float32, float16 or bfloat16, contiguous"):
+        grnnd.search(wide[:, ::2], graph, queries, K)
+    with pytest.raises(ValueError, match="queries is on cuda:0 but graph is on cpu"):
+        grnnd.search(data.pin_memory(), graph.cpu(), queries, K)
+    with pytest.raises(ValueError, match="queries is on cuda:0 but filter is on cpu"):
+        grnnd.search(data.pin_memory(), graph, queries, K, filter=torch.ones(N, dtype=torch.bool))
+    with pytest.raises(ValueError, match="data is on cuda:0 but queries is on cpu"):
+        grnnd.search(data.cuda(), graph, queries.cpu(), K)
+
+
 def test_misaligned_view(points, graph_for):
     """Rows that start 4 bytes past a 16-byte boundary (a view into a larger buffer) cannot take
     16-byte loads as they are; the op copies them and gives the same answers."""

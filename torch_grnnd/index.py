@@ -71,7 +71,8 @@ class Index:
         index has them; see :func:`torch_grnnd.search` (a ``filter`` is over rows)."""
         merged = SearchParams.merge(params, **settings)
         if self.removed is not None:
-            live = ~self.removed
+            # On the search's device: the queries', where data may be pinned host rows (search).
+            live = ~self.removed.to(queries.device)
             merged = merged.replace(filter=live if merged.filter is None else live & merged.filter.to(live.device))
         dists, rows = ops.search(self.data, self.graph, queries, k, params=merged, metric=self.metric)
         if self.ids is None:

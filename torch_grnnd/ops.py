@@ -97,7 +97,9 @@ def search(data: Tensor, graph: Tensor, queries: Tensor, k: Optional[int] = None
 
     Args:
         data, graph: the vectors and the graph ``build`` made of them.
-        queries: [Q, D], same dtype family and device as ``data``.
+        queries: [Q, D], same dtype family and device as ``data``; on a GPU, ``data`` may
+            instead lie in pinned host memory (``data.pin_memory()``), read row by row through
+            unified addressing: an index larger than the GPU's memory (``graph`` on the GPU).
         k: neighbours returned per query (overrides ``params.k``; 10 when neither is given).
         params: the search settings, :class:`~torch_grnnd.SearchParams`.
         metric: must be the metric the graph was built with.
@@ -150,10 +152,13 @@ def knn(data: Tensor, queries: Tensor, k: int, *, metric: Metric = "l2") -> Tupl
 
 def _query_outputs(data: Tensor, queries: Tensor, k: int, graph: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     # The one check a fake kernel can make that the real kernel would otherwise make after
-    # dispatch already went to a single device (a meta tensor among CPU ones lands here).
-    for name, other in (("queries", queries), ("graph", graph)):
-        if other is not None and other.device != data.device:
-            raise ValueError(f"data is on {data.device} but {name} is on {other.device}; move them to the same device")
+    # dispatch already went to a single device (a meta tensor among CPU ones lands here). A
+    # search (given a graph) on a GPU may read data rows from (pinned) host memory.
+    host_rows = graph is not None and queries.device.type == "cuda" and data.device.type == "cpu"
+    if queries.device != data.device and not host_rows:
+        raise ValueError(f"data is on {data.device} but queries is on {queries.device}; move them to the same device")
+    if graph is not None and graph.device != queries.device:
+        raise ValueError(f"queries is on {queries.device} but graph is on {graph.device}; move them to the same device")
     q = queries.shape[0]
     return queries.new_empty((q, k), dtype=torch.float32), queries.new_empty((q, k), dtype=torch.int64)
 

@@ -52,17 +52,6 @@ void launch(const void* data, const at::Tensor& ids, int64_t row_bytes, at::Tens
   check_launch();
 }
 
-// The device's address of the pinned host rows of `data` (the same pointer under unified
-// addressing), or an error that says how to make the rows readable.
-const void* device_address_of_host_rows(const at::Tensor& data) {
-  cudaPointerAttributes attributes{};
-  C10_CUDA_CHECK(cudaPointerGetAttributes(&attributes, data.data_ptr()));
-  TORCH_CHECK_VALUE(attributes.type == cudaMemoryTypeHost && attributes.devicePointer != nullptr,
-                    "data: rows on the CPU are read from a GPU only from pinned memory; pass data.pin_memory() "
-                    "(or move the rows to the GPU)");
-  return attributes.devicePointer;
-}
-
 at::Tensor gather_rows_cuda(const at::Tensor& data, const at::Tensor& ids) {
   check_gather_rows(data, ids);
   TORCH_CHECK_VALUE(ids.is_cuda(), "ids: expected a CUDA tensor when data is on a GPU or read from one, got ",

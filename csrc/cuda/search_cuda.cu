@@ -587,8 +587,7 @@ int log2_of(int64_t pow2) {
 }
 
 template <typename T, int TEAM>
-void launch(const at::Tensor& x, const at::Tensor& q, const SearchArgs& a, int threads, size_t smem,
-            cudaStream_t stream) {
+void launch(const T* x, const at::Tensor& q, const SearchArgs& a, int threads, size_t smem, cudaStream_t stream) {
   auto kernel = a.warp_rows == 2   ? warp_search_kernel<T, TEAM, 2>
                 : a.warp_rows == 4 ? warp_search_kernel<T, TEAM, 4>
                                    : search_kernel<T, TEAM>;
@@ -598,7 +597,7 @@ void launch(const at::Tensor& x, const at::Tensor& q, const SearchArgs& a, int t
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
   const unsigned blocks = static_cast<unsigned>(q.size(0) * a.searches);
-  kernel<<<blocks, threads, smem, stream>>>(x.data_ptr<T>(), q.data_ptr<T>(), a);
+  kernel<<<blocks, threads, smem, stream>>>(x, q.data_ptr<T>(), a);
   check_launch();
 }
 
@@ -665,12 +664,19 @@ class QueryCheck {
 std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::Tensor& graph,
                                               const at::Tensor& queries, const c10::optional<at::Tensor>& filter,
                                               const SearchParams& p, const at::Tensor& counts) {
-  const c10::cuda::CUDAGuard guard(data.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index()).stream();
+  // The search runs on the queries' GPU; the data rows may also lie in pinned host memory there
+  // (check_search_data_device), read by the kernel row by row through unified addressing.
+  const c10::cuda::CUDAGuard guard(queries.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(queries.device().index()).stream();
 
   // Cosine: only the queries are normalised; the data rows' norms are folded into the distance
   // (team_cosine), so no [N, D] copy is made per call.
   const at::Tensor x = prepare_vectors(data, p.metric == Metric::kCosine ? Metric::kL2 : p.metric);
+  // Host rows are read where they lie: a narrowed (float64) or realigned copy would be pageable.
+  TORCH_CHECK_VALUE(x.is_cuda() || x.data_ptr() == data.data_ptr(), "data: host rows searched from a GPU must be ",
+                    "float32, float16 or bfloat16, contiguous and 16-byte aligned, got ", data.scalar_type(),
+                    " with strides ", data.strides());
+  const void* rows = x.is_cuda() ? x.data_ptr() : device_address_of_host_rows(x);
   const at::Tensor q = prepare_vectors(queries.to(x.scalar_type()), p.metric);
   const at::Tensor g = graph.contiguous();
   const at::Tensor allowed = filter.has_value() ? filter->contiguous() : at::Tensor();
@@ -683,7 +689,7 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   TORCH_CHECK_VALUE(per_round <= (1 << 16), "search_width * graph degree: the CUDA search expands at most 65536 ",
                     "neighbours per iteration, got ", p.search_width, " * ", degree);
 
-  int device = data.device().index(), optin = 0, sms = 0;
+  int device = queries.device().index(), optin = 0, sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
 
@@ -746,11 +752,12 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "search_cuda: float64 storage should have been narrowed by prepare_vectors");
     } else {
+      const auto* x_rows = static_cast<const scalar_t*>(rows);
       switch (team) {
-        case 4: launch<scalar_t, 4>(x, q, a, threads, smem, stream); break;
-        case 8: launch<scalar_t, 8>(x, q, a, threads, smem, stream); break;
-        case 16: launch<scalar_t, 16>(x, q, a, threads, smem, stream); break;
-        default: launch<scalar_t, 32>(x, q, a, threads, smem, stream); break;
+        case 4: launch<scalar_t, 4>(x_rows, q, a, threads, smem, stream); break;
+        case 8: launch<scalar_t, 8>(x_rows, q, a, threads, smem, stream); break;
+        case 16: launch<scalar_t, 16>(x_rows, q, a, threads, smem, stream); break;
+        default: launch<scalar_t, 32>(x_rows, q, a, threads, smem, stream); break;
       }
     }
   });

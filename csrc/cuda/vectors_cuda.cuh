@@ -37,6 +37,18 @@ inline at::Tensor prepare_vectors(const at::Tensor& x, Metric metric) {
   return reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 ? out : out.clone();
 }
 
+// The device's address of the pinned host rows of `data` (the same pointer under unified
+// addressing), or an error that says how to make the rows readable: kernels read such rows over
+// the bus, row by row, without a copy of the whole.
+inline const void* device_address_of_host_rows(const at::Tensor& data) {
+  cudaPointerAttributes attributes{};
+  C10_CUDA_CHECK(cudaPointerGetAttributes(&attributes, data.data_ptr()));
+  TORCH_CHECK_VALUE(attributes.type == cudaMemoryTypeHost && attributes.devicePointer != nullptr,
+                    "data: rows on the CPU are read from a GPU only from pinned memory; pass data.pin_memory() "
+                    "(or move the rows to the GPU)");
+  return attributes.devicePointer;
+}
+
 // Runs `__VA_ARGS__` with `scalar_t` bound to the storage type of a prepared tensor.
 #define GRNND_DISPATCH_STORAGE(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)

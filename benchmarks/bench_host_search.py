@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Searching rows that stay in host memory: read through unified addressing, or shard by shard.
+
+    python benchmarks/bench_host_search.py --sets blobs:10000000x1024 --budget 8GB
+    python benchmarks/bench_host_search.py --sets blobs:10000000x128 --budget 1GB --name d128
+
+Clustered float16 rows as bench_scale.py makes them, one graph built in memory. Three ways to
+search them, each at batches of 100, 1 000 and 10 000 queries (the first min(Q, 20 batches) of
+--queries queries) and lists 32 / 64 / 128 (batch 10 000) or 64 (smaller batches):
+
+- gpu: rows and graph on the GPU (what the others are measured against);
+- unified: rows in pinned host memory, graph on the GPU; the search kernel reads each row it
+  needs over the bus (`grnnd.search(pinned_rows, graph, queries)`);
+- shards: GGNN's swapping mode. The rows are cut into consecutive shards of what --budget
+  holds (rows, a graph and a search for two shards at once), each shard has its own graph (built
+  here, time reported); a batch is searched on every shard in turn while the next shard is copied
+  in on a second stream, and the per-shard top-k are merged.
+
+Reports queries/s (wall clock, the copies in included) and recall@10 against exact neighbours
+(grnnd.knn). Writes host_search_<gpu>[_<name>].{json,md} under --out.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from typing import List, Tuple
+
+import torch
+from torch import Tensor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch_grnnd as grnnd  # noqa: E402
+from torch_grnnd import out_of_core  # noqa: E402
+from benchmarks.bench_scale import make_set  # noqa: E402
+from benchmarks.report import machine, machine_line  # noqa: E402
+
+K = 10
+BATCHES = (100, 1000, 10000)
+LISTS = (32, 64, 128)
+MAX_BATCHES = 20
+
+
+class Shards:
+    """GGNN's swapping mode over host rows: a graph per consecutive shard, searched in turn."""
+
+    def __init__(self, host: Tensor, rows: int, params: grnnd.BuildParams):
+        self.host = host
+        self.bounds = [(start, min(start + rows, host.shape[0])) for start in range(0, host.shape[0], rows)]
+        self.graphs: List[Tensor] = []
+        for start, end in self.bounds:
+            graph = grnnd.build(host[start:end].cuda(non_blocking=True), params)
+            self.graphs.append(graph.cpu().pin_memory())
+
+    def _load(self, i: int, stream: torch.cuda.Stream) -> Tuple[Tensor, Tensor]:
+        start, end = self.bounds[i]
+        with torch.cuda.stream(stream):
+            return self.host[start:end].cuda(non_blocking=True), self.graphs[i].cuda(non_blocking=True)
+
+    def search(self, queries: Tensor, list_size: int) -> Tuple[Tensor, Tensor]:
+        copies, current = torch.cuda.Stream(), torch.cuda.current_stream()
+        coming = self._load(0, copies)
+        best_d = best_i = None
+        for i, (start, _) in enumerate(self.bounds):
+            current.wait_stream(copies)
+            data, graph = coming
+            data.record_stream(current)
+            graph.record_stream(current)
+            if i + 1 < len(self.bounds):
+                copies.wait_stream(current)  # the copy may reuse memory the search before freed
+                coming = self._load(i + 1, copies)
+            d, ids = grnnd.search(data, graph, queries, K, list_size=list_size)
+            ids = ids + start
+            if best_d is not None:
+                d, ids = torch.cat([best_d, d], 1), torch.cat([best_i, ids], 1)
+                d, order = d.topk(K, dim=1, largest=False)
+                ids = ids.gather(1, order)
+            best_d, best_i = d, ids
+        return best_d, best_i
+
+
+def timed(search, queries: Tensor, batch: int) -> Tuple[float, Tensor]:
+    """(queries/s, ids) of searching the queries batch by batch."""
+    search(queries[:batch])  # warm up: kernels loaded, caches and allocator primed
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    ids = torch.cat([search(part)[1] for part in queries.split(batch)])
+    torch.cuda.synchronize()
+    return queries.shape[0] / (time.perf_counter() - start), ids
+
+
+def measure(family: str, n: int, d: int, budget: str, queries: int) -> dict:
+    base, queries = make_set(family, n, d, queries=queries)
+    truth = grnnd.knn(base, queries, K)[1]
+    params = grnnd.BuildParams()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    graph = grnnd.build(base, params)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - start
+    host = torch.empty(base.shape, dtype=base.dtype, pin_memory=True)
+    host.copy_(base)
+    # A shard's rows, graph and search, for two shards at once (one searched, one coming in).
+    per_row = d * host.element_size() + params.degree * 4
+    rows = out_of_core.parse_bytes(budget) // (2 * per_row + 64)
+    modes = {"gpu": lambda q, size: grnnd.search(base, graph, q, K, list_size=size),
+             "unified": lambda q, size: grnnd.search(host, graph, q, K, list_size=size)}
+    results = []
+    for mode in ("gpu", "unified", "shards"):
+        if mode == "shards":
+            del base, graph
+            torch.cuda.empty_cache()
+            start = time.perf_counter()
+            shards = Shards(host, rows, params)
+            torch.cuda.synchronize()
+            shards_build_s = time.perf_counter() - start
+            modes["shards"] = lambda q, size: shards.search(q, size)
+        for batch in BATCHES:
+            asked = queries[:min(queries.shape[0], batch * MAX_BATCHES)]
+            for size in LISTS if batch == max(BATCHES) else (64,):
+                qps, ids = timed(lambda q: modes[mode](q, size), asked, batch)
+                recall = grnnd.recall(ids, truth[:asked.shape[0]])
+                results.append({"mode": mode, "batch": batch, "list_size": size, "queries": int(asked.shape[0]),
+                                "qps": qps, "recall": recall})
+                print(json.dumps(results[-1]), flush=True)
+    return {"set": f"{family}:{n}x{d}", "budget": budget, "build_s": build_s, "shards": len(shards.bounds),
+            "shard_rows": rows, "shards_build_s": shards_build_s, "results": results}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sets", default="blobs:10000000x1024", help="family:NxD, comma separated")
+    p.add_argument("--budget", default="8GB", help="GPU memory the shards may use (bytes or a size like 8GB)")
+    p.add_argument("--queries", type=int, default=10000)
+    p.add_argument("--name", default="", help="suffix of the result files")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    sets = []
+    for spec in args.sets.split(","):
+        family, shape = spec.split(":")
+        n, d = (int(v) for v in shape.split("x"))
+        sets.append(measure(family, n, d, args.budget, args.queries))
+    name = torch.cuda.get_device_name().split()[1].lower()
+    m = machine(threads=torch.get_num_threads(), cuda=True)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"host_search_{name}" + (f"_{args.name}" if args.name else ""))
+    with open(stem + ".json", "w") as f:
+        json.dump({"machine": m, "sets": sets}, f, indent=1)
+    lines = [f"# Search over rows in host memory, {torch.cuda.get_device_name()}", "",
+             f"Machine: {machine_line(m)}. `python benchmarks/bench_host_search.py {' '.join(sys.argv[1:])}`; "
+             "float16 clustered rows; queries/s (wall clock, copies included) and recall@10 against exact "
+             "neighbours. gpu: rows on the GPU; unified: rows in pinned host memory read by the search kernel; "
+             "shards: a graph per shard of the budget, shards copied in turn (GGNN's swapping mode).", ""]
+    for s in sets:
+        lines += [f"## {s['set']}, budget {s['budget']}", "",
+                  f"Graph built in memory in {s['build_s']:.2f} s; {s['shards']} shards of up to "
+                  f"{s['shard_rows']:,} rows, their graphs built in {s['shards_build_s']:.2f} s.", "",
+                  "| batch | list | gpu q/s | recall | unified q/s | recall | shards q/s | recall |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        cells = {(r["mode"], r["batch"], r["list_size"]): r for r in s["results"]}
+        for batch, size in sorted({(r["batch"], r["list_size"]) for r in s["results"]}):
+            row = [f"{batch:,}", str(size)]
+            for mode in ("gpu", "unified", "shards"):
+                r = cells[mode, batch, size]
+                row += [f"{r['qps']:,.0f}", f"{r['recall']:.4f}"]
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
