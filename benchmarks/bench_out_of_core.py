@@ -61,7 +61,7 @@ def measure(family: str, n: int, d: int, budget: str, queries: int, in_memory: b
     torch.cuda.empty_cache()
     params = grnnd.BuildParams()
     max_memory = None if budget == "free" else budget
-    bytes_free = out_of_core.parse_bytes(budget) if max_memory else out_of_core._free_bytes(torch.device("cuda"))
+    bytes_free = out_of_core.parse_bytes(budget) if max_memory else out_of_core.free_bytes(torch.device("cuda"))
     rows = bytes_free // out_of_core.bytes_per_row(d, host.element_size(), params)
     plan = out_of_core.plan_shards(host, rows, "l2", torch.device("cuda"), params.seed)
     shards, shared = len(plan.members), float((plan.secondary >= 0).float().mean())

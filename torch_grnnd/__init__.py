@@ -33,7 +33,8 @@ from .graph import knn_graph
 from .index import Index, merge
 from .ops import build, knn, search, search_distance_counts
 from .params import BuildParams, SearchParams
+from .swapping import SwappingIndex
 
-__all__ = ["Index", "merge", "BuildParams", "SearchParams", "build", "search", "search_distance_counts", "knn", "knn_graph", "recall", "nn", "distributed",
-           "diagnostics"]
+__all__ = ["Index", "merge", "SwappingIndex", "BuildParams", "SearchParams", "build", "search",
+           "search_distance_counts", "knn", "knn_graph", "recall", "nn", "distributed", "diagnostics"]
 __version__ = "0.1.0"

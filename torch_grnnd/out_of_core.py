@@ -25,14 +25,14 @@ import logging
 import math
 import re
 import time
-from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import editing, ops
 from .params import BuildParams
-from .progress import Progress, _default_reporter, _takes_changes
+from .progress import Progress, steps_reporter
 
 logger = logging.getLogger(__name__)
 
@@ -76,21 +76,11 @@ def bytes_per_row(dim: int, element_size: int, p: BuildParams) -> int:
     return 2 * dim * max(element_size, 2) + 2 * p.pool_size * 8 + 16 + 12 + 2 * p.degree * 4
 
 
-def _free_bytes(device: torch.device) -> int:
+def free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
     raise ValueError("max_gpu_memory: needed when the build runs on the CPU (there is no free memory to ask for)")
-
-
-def _steps_reporter(progress: Progress) -> Tuple[Callable[[int, int], None], Callable[[], None]]:
-    if not progress:
-        return (lambda done, total: None), (lambda: None)
-    if callable(progress):
-        report = progress if _takes_changes(progress) else (lambda done, total, _changes: progress(done, total))
-        return (lambda done, total: report(done, total, 0)), (lambda: None)
-    report, close = _default_reporter("out-of-core build (rows built in shards, then rows joined)")
-    return (lambda done, total: report(done, total, 0)), close
 
 
 def _prepared(rows: Tensor, metric: str) -> Tensor:
@@ -180,7 +170,7 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    budget = parse_bytes(max_memory) if max_memory is not None else _free_bytes(device)
+    budget = parse_bytes(max_memory) if max_memory is not None else free_bytes(device)
     n, dim = data.shape
     rows_per_shard = budget // bytes_per_row(dim, data.element_size(), params)
     if rows_per_shard < 2 * params.pool_size:
@@ -188,7 +178,7 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
                          f"({bytes_per_row(dim, data.element_size(), params)} bytes a row); give it more")
     if n <= rows_per_shard:
         return ops.build(data.to(device), params, metric=metric, progress=progress).to(data.device)
-    report, close = _steps_reporter(progress)
+    report, close = steps_reporter(progress, "out-of-core build (rows built in shards, then rows joined)")
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
         # A staging buffer, where rows need one, is pinned (seconds per GiB) by the worker while
         # the shards are planned.

@@ -28,7 +28,7 @@ import contextlib
 import inspect
 import logging
 import time
-from typing import Callable, Iterator, TypeVar, Union
+from typing import Callable, Iterator, Tuple, TypeVar, Union
 
 import torch
 
@@ -79,6 +79,18 @@ def _takes_changes(fn: Callable[..., None]) -> bool:
         return True
     except (TypeError, ValueError):
         return False
+
+
+def steps_reporter(progress: Progress, what: str) -> Tuple[Callable[[int, int], None], Callable[[], None]]:
+    """``(report(done, total), close)`` for a job that counts steps of its own (rows built, say)
+    rather than build rounds; ``changes`` is 0 for callbacks that take it."""
+    if not progress:
+        return (lambda done, total: None), (lambda: None)
+    if callable(progress):
+        report = progress if _takes_changes(progress) else (lambda done, total, _changes: progress(done, total))
+        return (lambda done, total: report(done, total, 0)), (lambda: None)
+    report, close = _default_reporter(what)
+    return (lambda done, total: report(done, total, 0)), close
 
 
 @contextlib.contextmanager
