@@ -16,8 +16,8 @@ search them, each at batches of 100, 1 000 and 10 000 queries (the first min(Q, 
   each with its own graph (build time reported); a batch is searched on every shard in turn
   while the next shard is copied in on a second stream, and the per-shard top-k are merged.
 
-Reports queries/s (wall clock, the copies in included; the median of three passes) and recall@10 against exact neighbours
-(grnnd.knn). Writes host_search_<gpu>[_<name>].{json,md} under --out.
+Reports queries/s (wall clock, the copies in included; the median of three passes) and recall@10
+against exact neighbours (grnnd.knn). Writes host_search_<gpu>[_<name>].{json,md} under --out.
 """
 import argparse
 import json
@@ -110,8 +110,8 @@ def main():
         json.dump({"machine": m, "sets": sets}, f, indent=1)
     lines = [f"# Search over rows in host memory, {torch.cuda.get_device_name()}", "",
              f"Machine: {machine_line(m)}. `python benchmarks/bench_host_search.py {' '.join(sys.argv[1:])}`; "
-             "float16 clustered rows; queries/s (wall clock, copies included, median of 3 passes) and recall@10 against exact "
-             "neighbours. gpu: rows on the GPU; unified: rows in pinned host memory read by the search kernel; "
+             "float16 clustered rows; queries/s (wall clock, copies included, median of 3 passes) and recall@10 "
+             "against exact neighbours. gpu: rows on the GPU; unified: rows in pinned host memory read by the search kernel; "
              "shards: a graph per shard of the budget, shards copied in turn (GGNN's swapping mode).", ""]
     for s in sets:
         lines += [f"## {s['set']}, budget {s['budget']}", "",
