@@ -111,8 +111,9 @@ def main():
     lines = [f"# Search over rows in host memory, {torch.cuda.get_device_name()}", "",
              f"Machine: {machine_line(m)}. `python benchmarks/bench_host_search.py {' '.join(sys.argv[1:])}`; "
              "float16 clustered rows; queries/s (wall clock, copies included, median of 3 passes) and recall@10 "
-             "against exact neighbours. gpu: rows on the GPU; unified: rows in pinned host memory read by the search kernel; "
-             "shards: a graph per shard of the budget, shards copied in turn (GGNN's swapping mode).", ""]
+             "against exact neighbours. gpu: rows on the GPU; unified: rows in pinned host memory read by the "
+             "search kernel; shards: a graph per shard of the budget, shards copied in turn (GGNN's "
+             "swapping mode).", ""]
     for s in sets:
         lines += [f"## {s['set']}, budget {s['budget']}", "",
                   f"Graph built in memory in {s['build_s']:.2f} s; {s['shards']} shards of up to "
