@@ -13,10 +13,13 @@ Two ways search rows that the GPU does not hold; which is faster depends on the 
   at a list size than one graph over all rows.
 
 On one H100, 10M clustered float16 rows, recall@10 (benchmarks/bench_host_search.py,
-results/host_search_h100_*.md): at 1024-d within 8 GB, unified reads served 1 786 / 17 639
-queries/s at batches of 100 / 1 000 against swapping's 224 / 2 205; at batch 10 000 swapping
-served 22 660 queries/s at 0.992 against unified reads' 18 403 at 0.980 (list 64 both). At
-128-d the same: unified ahead up to batch 1 000, swapping 2.5x ahead at 10 000.
+results/host_search_h100_d1024.md and _d128.md): at 1024-d within 8 GB, unified reads served
+1 871 / 18 048 queries/s at batches of 100 / 1 000 against swapping's 231 / 2 269; at batch
+10 000 swapping served 23 968 queries/s at 0.993 against unified reads' 18 561 at 0.980 (list
+64 both), and 23 105 at 0.997 against 10 633 at 0.996 (list 128). At 128-d the same order:
+unified reads 4-6x ahead up to batch 1 000, swapping 2.4x ahead at 10 000. Unified reads are
+bound by the bytes they move (a team of 4 to 32 lanes per row made no difference), so their
+cost grows with the row width and the distances a query computes.
 
 On the CPU the shards are searched where they lie (no copies): the same results as the GPU's
 up to float summation order, which is what CI checks.
