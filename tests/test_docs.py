@@ -4,10 +4,11 @@ import doctest
 import pytest
 
 import torch_grnnd
-from torch_grnnd import autograd, eval as eval_module, graph, index, nn, ops, params, progress, pyg
+from torch_grnnd import autograd, eval as eval_module, graph, index, nn, ops, params, progress, pyg, swapping
 
 
-@pytest.mark.parametrize("module", [ops, params, index, graph, eval_module, nn, autograd, progress, pyg], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [ops, params, index, graph, eval_module, nn, autograd, progress, pyg,
+                                    swapping], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, extraglobs={"grnnd": torch_grnnd}, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0, f"{module.__name__} has no examples"
