@@ -69,8 +69,8 @@ class SwappingIndex:
     def build(cls, data: Tensor, params: Optional[BuildParams] = None, *, metric: ops.Metric = "l2",
               device: Union[str, torch.device] = "cuda", max_gpu_memory: Optional[Union[int, str]] = None,
               shard_rows: Optional[int] = None, progress: Progress = False, **settings: Any) -> "SwappingIndex":
-        """Build a graph for each shard of ``data`` (host rows; pinned rows are copied in
-        asynchronously) on ``device``. The shards are ``shard_rows`` rows, or as many as fit
+        """Build a graph for each shard of ``data`` (host rows, pinned for the fastest copies) on
+        ``device``, one shard after another. The shards are ``shard_rows`` rows, or as many as fit
         ``max_gpu_memory`` (bytes or a size like ``"8GB"``; default: what is free on a GPU) for
         the larger of a shard's build and two shards' rows and graphs (one searched, one coming
         in). ``progress`` counts the rows built. The graphs stay in (pinned) host memory."""
@@ -94,7 +94,9 @@ class SwappingIndex:
             for start in range(0, data.shape[0], shard_rows):
                 rows = data[start:start + shard_rows]
                 graph = ops.build(rows.to(device, non_blocking=True), params, metric=metric)
-                graphs.append(graph.to("cpu", non_blocking=False).pin_memory() if device.type == "cuda" else graph)
+                if device.type == "cuda":  # pinned, so that each search copies it in at full speed
+                    graph = torch.empty(graph.shape, dtype=graph.dtype, pin_memory=True).copy_(graph)
+                graphs.append(graph)
                 report(start + rows.shape[0], data.shape[0])
         finally:
             close()
