@@ -170,3 +170,21 @@ def test_cuda_gradients_equal_autograd_of_the_recomputed_distances(metric, dtype
     for g, w in zip(got, want):
         assert g.dtype == dtype and g.is_cuda
         torch.testing.assert_close(g.double(), w.double(), rtol=tol, atol=tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gradients_of_a_search_over_pinned_host_rows():
+    # The GPU reads the rows where they lie, forward and backward; the data's gradient is on the host.
+    rows = clustered(3000, 32, 20, seed=19)
+    on_gpu = rows.cuda().requires_grad_()
+    on_host = rows.pin_memory().requires_grad_()
+    queries = clustered(100, 32, 20, seed=20).cuda().requires_grad_()
+    graph = grnnd.build(rows).cuda()
+    grads = []
+    for data in (on_gpu, on_host):
+        dists, ids = grnnd.search(data, graph, queries, 5)
+        grads.append(torch.autograd.grad(dists.sum(), [data, queries]))
+    assert grads[1][0].device.type == "cpu" and grads[1][1].is_cuda
+    torch.testing.assert_close(grads[1][0], grads[0][0].cpu())
+    torch.testing.assert_close(grads[1][1], grads[0][1])

@@ -59,14 +59,17 @@ def distance_backward(data: Tensor, queries: Tensor, ids: Tensor, grad_dists: Te
     # torch.where, not a product: the gradient at a padded entry may be inf or nan.
     grad = torch.where(valid, grad_dists, torch.zeros_like(grad_dists)).to(compute)
     rows = torch.where(valid, ids, torch.zeros_like(ids)).reshape(-1)
-    x = data.index_select(0, rows).view(*ids.shape, data.shape[1]).to(compute)
+    # Data rows in pinned host memory (a GPU search of them) are gathered by the GPU.
+    picked = data.index_select(0, rows) if data.device == rows.device else torch.ops.grnnd.gather_rows(data, rows)
+    x = picked.view(*ids.shape, data.shape[1]).to(compute)
     q = queries.to(compute).unsqueeze(1)
     dq, dx = pair_gradients(q, x, grad, metric)
     grad_queries = dq.sum(1).to(queries.dtype) if need_queries else None
     grad_data = None
     if need_data:
         grad_data = torch.zeros(data.shape, dtype=compute, device=data.device)
-        grad_data = grad_data.index_add(0, rows, dx.reshape(-1, data.shape[1])).to(data.dtype)
+        grad_data = grad_data.index_add(0, rows.to(data.device), dx.reshape(-1, data.shape[1]).to(data.device))
+        grad_data = grad_data.to(data.dtype)
     return grad_data, grad_queries
 
 
