@@ -31,8 +31,8 @@ from torch import Tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.bench_scale import make_set  # noqa: E402
-from benchmarks.report import machine, machine_line  # noqa: E402
+from benchmarks.bench_scale import make_set, parse_sets  # noqa: E402
+from benchmarks.report import gpu_result_stem, machine, machine_line  # noqa: E402
 
 K = 10
 BATCHES = (100, 1000, 10000)
@@ -97,15 +97,9 @@ def main():
     p.add_argument("--name", default="", help="suffix of the result files")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
-    sets = []
-    for spec in args.sets.split(","):
-        family, shape = spec.split(":")
-        n, d = (int(v) for v in shape.split("x"))
-        sets.append(measure(family, n, d, args.budget, args.queries))
-    name = torch.cuda.get_device_name().split()[1].lower()
+    sets = [measure(family, n, d, args.budget, args.queries) for family, n, d in parse_sets(args.sets)]
     m = machine(threads=torch.get_num_threads(), cuda=True)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"host_search_{name}" + (f"_{args.name}" if args.name else ""))
+    stem = gpu_result_stem(args.out, "host_search", args.name)
     with open(stem + ".json", "w") as f:
         json.dump({"machine": m, "sets": sets}, f, indent=1)
     lines = [f"# Search over rows in host memory, {torch.cuda.get_device_name()}", "",

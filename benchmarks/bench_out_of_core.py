@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
 from torch_grnnd import out_of_core  # noqa: E402
-from benchmarks.bench_scale import make_set  # noqa: E402
-from benchmarks.report import machine, machine_line  # noqa: E402
+from benchmarks.bench_scale import make_set, parse_sets  # noqa: E402
+from benchmarks.report import gpu_result_stem, machine, machine_line  # noqa: E402
 
 K, LIST = 10, 64
 
@@ -111,15 +111,10 @@ def main():
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the stages' times
-    rows = []
-    for spec in args.sets.split(","):
-        family, shape = spec.split(":")
-        n, d = (int(v) for v in shape.split("x"))
-        rows.append(measure(family, n, d, args.budget, args.queries, not args.skip_in_memory))
-    name = torch.cuda.get_device_name().split()[1].lower()
+    rows = [measure(family, n, d, args.budget, args.queries, not args.skip_in_memory)
+            for family, n, d in parse_sets(args.sets)]
     m = machine(threads=torch.get_num_threads(), cuda=True)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"out_of_core_{name}" + (f"_{args.name}" if args.name else ""))
+    stem = gpu_result_stem(args.out, "out_of_core", args.name)
     with open(stem + ".json", "w") as f:
         json.dump({"machine": m, "rows": rows}, f, indent=1)
     lines = [f"# Out-of-core build against the in-memory build, {torch.cuda.get_device_name()}", "",

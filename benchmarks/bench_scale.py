@@ -39,6 +39,16 @@ LISTS = (32, 64, 128)  # list sizes measured by default; 64 is the one the PNG a
 QUERIES = 1000
 
 
+def parse_sets(spec: str) -> list:
+    """``"blobs:1000000x384,zipf:..."`` -> ``[("blobs", 1000000, 384), ...]``."""
+    sets = []
+    for item in spec.split(","):
+        family, _, size = item.partition(":")
+        n, d = (int(v) for v in size.split("x"))
+        sets.append((family, n, d))
+    return sets
+
+
 def make_set(family: str, n: int, d: int, seed: int = 0, chunk: int = 1 << 20, want_labels: bool = False,
              queries: int = QUERIES):
     """(base, queries) float16 on the GPU; rows made chunk by chunk (10M x 1024 is 20 GB). With
@@ -169,9 +179,7 @@ def main():
     if 64 not in lists:
         p.error("--lists must include 64 (the list the PNG and the issue's goals compare)")
     rows = []
-    for spec in args.sets.split(","):
-        family, _, size = spec.partition(":")
-        n, d = (int(v) for v in size.split("x"))
+    for family, n, d in parse_sets(args.sets):
         base, queries, *labels = make_set(family, n, d, want_labels=True)
         truth = grnnd.knn(base, queries, 10)[1]
         grnnd.build(base[:50_000])  # warm-up: kernels loaded, allocator primed
@@ -191,7 +199,7 @@ def main():
             for group in row["by_cluster_size"]:
                 print(f"    clusters of {sizes_text(group['sizes'])} rows: {group['queries']} queries, recall@10 list 64 "
                       f"{group['recall']:.3f}, results in the query's cluster {group['in_own_cluster']:.3f}", flush=True)
-        if spec in args.hnsw.split(","):
+        if f"{family}:{n}x{d}" in args.hnsw.split(","):
             ref = hnsw_reference(base, queries, truth, lists)
             rows.append({"family": family, "n": n, "d": d, "hnsw": ref})
             print(f"{family} {n:>10,} x {d:<5} faiss HNSW M=32 efC=40: build {ref['build_s']:.1f} s on "

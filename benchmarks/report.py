@@ -45,6 +45,13 @@ def machine(threads: int, cuda: bool = False) -> dict:
     return info
 
 
+def gpu_result_stem(out_dir: str, prefix: str, name: str = "") -> str:
+    """``out_dir/<prefix>_<gpu>[_<name>]`` (the GPU's model, as "h100"), out_dir made if missing."""
+    os.makedirs(out_dir, exist_ok=True)
+    gpu = torch.cuda.get_device_name().split()[1].lower()
+    return os.path.join(out_dir, f"{prefix}_{gpu}" + (f"_{name}" if name else ""))
+
+
 def machine_line(m: dict) -> str:
     s = f"{m['cpu']} ({m['cpu_count']} cores), {m['threads']} threads"
     if "gpu" in m:
