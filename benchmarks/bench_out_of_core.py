@@ -6,7 +6,10 @@
     python benchmarks/bench_out_of_core.py --sets blobs:100000000x96 --budget free --skip-in-memory \
         --queries 10000 --name 100m
 
-Clustered float16 rows as bench_scale.py makes them (blobs, zipf), moved to pinned host memory.
+Clustered float16 rows as bench_scale.py makes them (blobs, zipf), moved to pinned host memory
+(`--source pinned`) or saved to an .npy file under --scratch and memory-mapped (`--source npy`:
+`np.load(mmap_mode="c")`, rows gathered on the host into a pinned staging buffer; the file was
+just written, so its pages are in the page cache unless memory ran short).
 For each set: the in-memory build (rows on the GPU), then `grnnd.build(host_rows,
 device="cuda", max_gpu_memory=budget)`, with the build time (wall clock, the copies in
 included), peak GPU memory beyond what was allocated before, peak host memory of the process
@@ -23,6 +26,7 @@ import resource
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,6 +36,7 @@ from benchmarks.bench_scale import make_set, parse_sets  # noqa: E402
 from benchmarks.report import gpu_result_stem, machine, machine_line  # noqa: E402
 
 K, LIST = 10, 64
+SOURCES = {"pinned": "in pinned host memory", "npy": "in a memory-mapped .npy file (in the page cache)"}
 
 
 def recall_of(graph, base, queries, truth) -> float:
@@ -43,7 +48,23 @@ def peak_host_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
 
-def measure(family: str, n: int, d: int, budget: str, queries: int, in_memory: bool) -> dict:
+def rows_file(scratch: str) -> str:
+    return os.path.join(scratch, "out_of_core_rows.npy")
+
+
+def host_rows(base: torch.Tensor, source: str, scratch: str) -> torch.Tensor:
+    """``base``'s rows on the host: pinned, or in a memory-mapped .npy file under ``scratch``."""
+    if source == "pinned":
+        host = torch.empty(base.shape, dtype=base.dtype, pin_memory=True)
+        return host.copy_(base)
+    os.makedirs(scratch, exist_ok=True)
+    path = rows_file(scratch)
+    np.save(path, base.cpu().numpy())
+    return torch.from_numpy(np.load(path, mmap_mode="c"))  # copy-on-write: writable, nothing written back
+
+
+def measure(family: str, n: int, d: int, budget: str, queries: int, in_memory: bool, source: str = "pinned",
+            scratch: str = "/tmp") -> dict:
     base, queries = make_set(family, n, d, queries=queries)
     truth = grnnd.knn(base, queries, K)[1]
     whole_s = whole_recall = None
@@ -55,8 +76,7 @@ def measure(family: str, n: int, d: int, budget: str, queries: int, in_memory: b
         whole_s = time.perf_counter() - start
         whole_recall = recall_of(whole, base, queries, truth)
         del whole
-    host = torch.empty(base.shape, dtype=base.dtype, pin_memory=True)
-    host.copy_(base)
+    host = host_rows(base, source, scratch)
     del base
     torch.cuda.empty_cache()
     params = grnnd.BuildParams()
@@ -79,12 +99,15 @@ def measure(family: str, n: int, d: int, budget: str, queries: int, in_memory: b
     peak_gpu = torch.cuda.max_memory_allocated() - before
     base = host.cuda()
     del host
+    if source == "npy":
+        os.remove(rows_file(scratch))
     graph = graph.cuda()
     sharded_recall = recall_of(graph, base, queries, truth)
     print(f"out-of-core build {sharded_s:.2f} s, recall {sharded_recall:.4f}, peak host {peak_host_gib():.1f} GiB",
           flush=True)
     reached = float(grnnd.diagnostics.reachable(graph, grnnd.diagnostics.hubs(base)).float().mean())
-    row = {"set": f"{family}:{n}x{d}", "budget": budget, "in_memory_s": whole_s, "in_memory_recall": whole_recall,
+    row = {"set": f"{family}:{n}x{d}", "source": source, "budget": budget,
+           "in_memory_s": whole_s, "in_memory_recall": whole_recall,
            "out_of_core_s": sharded_s, "out_of_core_recall": sharded_recall,
            "ratio": sharded_s / whole_s if whole_s else None, "queries": int(queries.shape[0]),
            "shards": shards, "shared_rows": shared, "steps": steps,
@@ -107,11 +130,14 @@ def main():
     p.add_argument("--budget", default="8GB", help="bytes, a size like 8GB, or free (what the GPU has free)")
     p.add_argument("--queries", type=int, default=1000)
     p.add_argument("--skip-in-memory", action="store_true", help="no in-memory build (it would not fit)")
+    p.add_argument("--source", choices=["pinned", "npy"], default="pinned",
+                   help="host rows pinned, or a memory-mapped .npy file under --scratch")
+    p.add_argument("--scratch", default="/tmp", help="where --source npy writes its file")
     p.add_argument("--name", default="", help="suffix of the result files")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the stages' times
-    rows = [measure(family, n, d, args.budget, args.queries, not args.skip_in_memory)
+    rows = [measure(family, n, d, args.budget, args.queries, not args.skip_in_memory, args.source, args.scratch)
             for family, n, d in parse_sets(args.sets)]
     m = machine(threads=torch.get_num_threads(), cuda=True)
     stem = gpu_result_stem(args.out, "out_of_core", args.name)
@@ -119,10 +145,10 @@ def main():
         json.dump({"machine": m, "rows": rows}, f, indent=1)
     lines = [f"# Out-of-core build against the in-memory build, {torch.cuda.get_device_name()}", "",
              f"Machine: {machine_line(m)}. `python benchmarks/bench_out_of_core.py {' '.join(sys.argv[1:])}`; "
-             f"float16 clustered rows in pinned host memory; recall@10 at list {LIST} "
+             f"float16 clustered rows {SOURCES[args.source]}; recall@10 at list {LIST} "
              f"(GPU search, {args.queries} queries, exact neighbours from grnnd.knn).", "",
-             "| set | budget | in-memory s | recall | out-of-core s (plan + shards, joins) | ratio (x) | recall | shards | "
-             "shared rows | peak GPU GiB | peak host GiB | reachable | min degree |",
+             "| set | budget | in-memory s | recall | out-of-core s (plan + shards, joins) | ratio (x) | recall | "
+             "shards | shared rows | peak GPU GiB | peak host GiB | reachable | min degree |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['set']} | {r['budget']} | {_or_dash(r['in_memory_s'], '.2f')} | "

@@ -1,5 +1,8 @@
 """Builds within a memory budget (torch_grnnd/out_of_core.py): overlapping shards built one at a
 time and joined, on the CPU (as CI runs them) and from host rows onto a GPU."""
+import concurrent.futures
+
+import numpy as np
 import pytest
 import torch
 
@@ -109,17 +112,81 @@ def test_an_interrupted_build_raises_and_leaves_no_worker():
     check_graph(grnnd.build(data, device="cpu", max_gpu_memory=budget_for(3000, data)), 12_000)
 
 
+def memory_mapped(data: torch.Tensor, directory, how: str) -> torch.Tensor:
+    """``data``'s rows read from a file: an .npy file through numpy's memory map (copy-on-write,
+    so the tensor is writable and nothing goes back to the file) or a raw one through torch's."""
+    if how == "npy":
+        path = str(directory / "rows.npy")
+        np.save(path, data.numpy())
+        return torch.from_numpy(np.load(path, mmap_mode="c"))
+    path = str(directory / "rows.bin")
+    data.numpy().tofile(path)
+    return torch.from_file(path, shared=False, size=data.numel(), dtype=data.dtype).view(data.shape)
+
+
+@pytest.mark.parametrize("how", ["npy", "from_file"])
+def test_rows_in_a_memory_mapped_file_build_as_rows_in_memory(tmp_path, how):
+    data = clustered(12_000, 16, 24, seed=3)
+    mapped = memory_mapped(data, tmp_path, how)
+    budget = budget_for(3000, data)
+    with single_thread():  # the CPU build is then deterministic
+        assert torch.equal(grnnd.build(mapped, device="cpu", max_gpu_memory=budget),
+                           grnnd.build(data, device="cpu", max_gpu_memory=budget))
+
+
+class single_thread:
+    def __enter__(self):
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.threads)
+
+
+def test_joins_read_rows_up_to_the_budget():
+    params = grnnd.BuildParams()
+    n, dim = 10_000_000, 1024
+    budget = 8 * 10**9
+    rows_per_shard = budget // out_of_core.bytes_per_row(dim, 2, params)
+    capacity = out_of_core.join_capacity(budget, n, dim, 2, params, rows_per_shard)
+    chunk = out_of_core.JOIN_CHUNK_ROWS * 2 * params.degree * out_of_core.JOIN_BYTES_PER_CANDIDATE
+    # the rows, the largest chunk's candidates and the marks fit; more rows than a shard holds
+    assert capacity * dim * 2 + chunk + n + 1 <= budget and capacity > 1.5 * rows_per_shard
+    assert out_of_core.join_capacity(budget, 1000, dim, 2, params, 100) == 1000  # never more than all rows
+    assert out_of_core.join_capacity(10**8, n, dim, 2, params, 5000) == 5000  # a tiny budget: a shard's worth
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_staged_rows_arrive_whole_through_the_buffer_halves():
+    data = torch.randn(5000, 33)  # unpinned: gathered on the host, copied block by block
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
+        loader = out_of_core._RowLoader(data, 40, torch.device("cuda"), worker)
+        assert loader.staged and loader.capacity == 40
+        for ids in [torch.randint(0, 5000, (1234,)), torch.arange(19), torch.arange(0)]:
+            # blocks of 20 rows: more rows than the buffer holds, an odd number of blocks, none
+            assert torch.equal(loader.rows(ids).cpu(), data[ids])
+        # a stream after them waits for their copies before it gathers into the buffer
+        batches = [(torch.arange(s, s + 40).flip(0), s) for s in range(0, 200, 40)]
+        streamed = [(rows.cpu(), ids, start) for rows, ids, start in loader.stream(iter(batches))]
+        assert [start for _, _, start in streamed] == list(range(0, 200, 40))
+        assert all(torch.equal(rows, data[ids]) for rows, ids, _ in streamed)
+        assert torch.equal(loader.rows(torch.arange(4999, -1, -1)).cpu(), data.flip(0))  # and after one
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("metric", ["l2", "cosine"])
-@pytest.mark.parametrize("pinned", [True, False])
-def test_host_rows_built_on_the_gpu_in_shards(metric, pinned):
-    # Pinned rows are read by the GPU where they lie; others go through the pinned staging buffer.
+@pytest.mark.parametrize("source", ["pinned", "unpinned", "npy"])
+def test_host_rows_built_on_the_gpu_in_shards(metric, source, tmp_path):
+    # Pinned rows are read by the GPU where they lie; others (a memory-mapped file among them)
+    # go through the pinned staging buffer.
     data = clustered(40_500, 48, 80, seed=1).half()
     data, queries = data[:40_000].contiguous(), data[40_000:].contiguous()
     truth = exact_neighbours(data, queries, 10, metric)[1]
     whole = grnnd.build(data.cuda(), metric=metric).cpu()
-    host = data.pin_memory() if pinned else data
+    host = {"pinned": data.pin_memory, "unpinned": lambda: data,
+            "npy": lambda: memory_mapped(data, tmp_path, "npy")}[source]()
     graph = grnnd.build(host, metric=metric, device="cuda", max_gpu_memory=budget_for(12_000, data))
     assert graph.device.type == "cpu"
     check_graph(graph, 40_000)
