@@ -10,7 +10,8 @@ build, and its rows stored on the host with global ids.
 A row of two shards then has two rows, each pruned within its own shard; they are joined by
 the build's rule (``prune_rows``), which gives the edges that cross between shards. A join
 needs only the rows it reads: the shared rows go in chunks, each with the rows its two rows name
-copied in (as many as the budget holds), not the two shards. Rows of one shard keep the row its build gave them.
+copied in (as many as the budget holds), not the two shards. Rows of one shard keep the row its
+build gave them.
 
 Shards alone leave a walk no way between distant regions (no shard holds both ends of such an
 edge), so the centres, which include the search's hubs and sit in every shard, also get a graph
