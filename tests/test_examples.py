@@ -45,3 +45,10 @@ def test_manifold_smoke(tmp_path):
         assert "no PNG written" in out and not png.exists()
     else:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_beyond_gpu_smoke():
+    out = run_example("beyond_gpu.py")
+    assert "graph (20000, 48) on cpu" in out and "rows of two shards joined" in out, out  # built in shards
+    recall = float(re.search(r"recall@10 at list 64 over 200 queries: ([0-9.]+)", out).group(1))
+    assert recall >= 0.95, out
