@@ -134,6 +134,22 @@ def test_rows_in_a_memory_mapped_file_build_as_rows_in_memory(tmp_path, how):
                            grnnd.build(data, device="cpu", max_gpu_memory=budget))
 
 
+def test_an_index_built_within_a_budget(blobs):
+    data, queries = blobs
+    n = data.shape[0]
+    budget = budget_for(n // 3, data)
+    ids = torch.arange(n) * 7 + 3
+    reports = []
+    with single_thread():
+        index = grnnd.Index.build(data, ids=ids, device="cpu", max_gpu_memory=budget, degree=24,
+                                  progress=lambda done, total: reports.append(done))
+        assert torch.equal(index.graph, grnnd.build(data, device="cpu", max_gpu_memory=budget, degree=24))
+    assert index.graph.shape == (n, 24) and len(reports) > 3  # built in shards, with progress
+    assert index.build_params.degree == 24 and "max_gpu_memory" not in index.state_dict()
+    found = index.search(queries, 10)[1]
+    assert bool(torch.isin(found, ids).all())  # user ids come back
+
+
 class single_thread:
     def __enter__(self):
         self.threads = torch.get_num_threads()

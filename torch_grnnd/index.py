@@ -1,6 +1,6 @@
 """A searchable index: the vectors, their GRNND graph, and how they were built."""
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -55,14 +55,20 @@ class Index:
 
     @classmethod
     def build(cls, data: Tensor, params: Optional[BuildParams] = None, *, metric: ops.Metric = "l2",
-              ids: Optional[Tensor] = None, progress: Progress = False, **settings: Any) -> "Index":
+              ids: Optional[Tensor] = None, progress: Progress = False,
+              device: Optional[Union[str, torch.device]] = None, max_gpu_memory: Optional[Union[int, str]] = None,
+              **settings: Any) -> "Index":
         """Build the graph of ``data`` with :func:`torch_grnnd.build`'s ``params`` and
         ``settings`` (kept in :meth:`state_dict`); ``ids``: optional int64 [N] user ids that
-        search returns (distinct); ``progress`` reports the build (not kept)."""
+        search returns (distinct); ``progress`` reports the build (not kept). ``device`` and
+        ``max_gpu_memory`` build host rows on a GPU within a budget, as :func:`torch_grnnd.build`
+        does (in shards where they do not fit); the index keeps the rows and the graph where
+        ``data`` is. To search host rows from a GPU, keep them pinned and the graph on the GPU:
+        ``Index(rows.pin_memory(), index.graph.cuda(), ...)``."""
         if ids is not None:
             ids = check_ids(ids, data)  # before the build: a bad id costs no build
         params = BuildParams.merge(params, **settings)
-        graph = ops.build(data, params, metric=metric, progress=progress)
+        graph = ops.build(data, params, metric=metric, progress=progress, device=device, max_gpu_memory=max_gpu_memory)
         return cls(data, graph, metric, params, ids=ids)
 
     def search(self, queries: Tensor, k: Optional[int] = None, *, params: Optional[SearchParams] = None,
