@@ -350,14 +350,16 @@ def test_pinned_host_rows_are_searched_as_rows_on_the_gpu(points, graph_for, dty
                        grnnd.search_distance_counts(data.cuda(), graph, queries, K, list_size=64, metric=metric))
 
 
-def test_pinned_host_rows_in_an_index_with_removed_rows(points, graph_for):
+def test_pinned_host_rows_in_an_index_with_removed_rows_and_ids(points, graph_for):
     data, graph, queries = points[0], graph_for("l2").cuda(), points[1][:300].cuda()
     removed = torch.rand(N, generator=torch.Generator().manual_seed(7)) < 0.3
-    on_gpu = grnnd.Index(data.cuda(), graph, removed=removed.cuda())
-    on_host = grnnd.Index(data.pin_memory(), graph, removed=removed)
+    ids = torch.randperm(N, generator=torch.Generator().manual_seed(8)) * 3 + 11
+    on_gpu = grnnd.Index(data.cuda(), graph, removed=removed.cuda(), ids=ids)
+    on_host = grnnd.Index(data.pin_memory(), graph, removed=removed, ids=ids)  # ids stay on the host
     ref, got = on_gpu.search(queries, K, list_size=64), on_host.search(queries, K, list_size=64)
-    assert torch.equal(ref[1], got[1]) and torch.equal(ref[0], got[0])
-    assert not removed[got[1][got[1] >= 0].cpu()].any(), "a removed row was returned"
+    assert got[1].is_cuda and torch.equal(ref[1], got[1]) and torch.equal(ref[0], got[0])
+    rows = on_gpu.rows_of(got[1][got[1] >= 0])
+    assert not removed[rows.cpu()].any(), "a removed row was returned"
 
 
 def test_host_rows_that_cannot_be_read_where_they_lie_raise(points, graph_for):

@@ -83,7 +83,9 @@ class Index:
         dists, rows = ops.search(self.data, self.graph, queries, k, params=merged, metric=self.metric)
         if self.ids is None:
             return dists, rows
-        return dists, torch.where(rows >= 0, self.ids[rows.clamp_min(0)], rows)
+        # The ids live with the data, which may be pinned host rows searched from a GPU.
+        ids = self.ids[rows.clamp_min(0).to(self.ids.device)].to(rows.device)
+        return dists, torch.where(rows >= 0, ids, rows)
 
     def add(self, vectors: Tensor, ids: Optional[Tensor] = None) -> None:
         """Add ``vectors`` [B, D] (same dtype and device as the index) as new vertices of the
