@@ -9,7 +9,7 @@ import torch
 import torch_grnnd as grnnd
 from torch_grnnd import out_of_core
 
-from conftest import clustered, exact_neighbours
+from conftest import clustered, exact_neighbours, one_thread
 
 
 def budget_for(rows: int, data: torch.Tensor, **settings) -> int:
@@ -129,7 +129,7 @@ def test_rows_in_a_memory_mapped_file_build_as_rows_in_memory(tmp_path, how):
     data = clustered(12_000, 16, 24, seed=3)
     mapped = memory_mapped(data, tmp_path, how)
     budget = budget_for(3000, data)
-    with single_thread():  # the CPU build is then deterministic
+    with one_thread():  # the CPU build is then deterministic
         assert torch.equal(grnnd.build(mapped, device="cpu", max_gpu_memory=budget),
                            grnnd.build(data, device="cpu", max_gpu_memory=budget))
 
@@ -140,7 +140,7 @@ def test_an_index_built_within_a_budget(blobs):
     budget = budget_for(n // 3, data)
     ids = torch.arange(n) * 7 + 3
     reports = []
-    with single_thread():
+    with one_thread():
         index = grnnd.Index.build(data, ids=ids, device="cpu", max_gpu_memory=budget, degree=24,
                                   progress=lambda done, total: reports.append(done))
         assert torch.equal(index.graph, grnnd.build(data, device="cpu", max_gpu_memory=budget, degree=24))
@@ -148,15 +148,6 @@ def test_an_index_built_within_a_budget(blobs):
     assert index.build_params.degree == 24 and "max_gpu_memory" not in index.state_dict()
     found = index.search(queries, 10)[1]
     assert bool(torch.isin(found, ids).all())  # user ids come back
-
-
-class single_thread:
-    def __enter__(self):
-        self.threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.threads)
 
 
 def test_joins_read_rows_up_to_the_budget():
