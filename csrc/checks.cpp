@@ -267,7 +267,7 @@ EdgeFilter check_segment_edges_inputs(const at::Tensor& dists, const at::Tensor&
 }
 
 void check_prune_inputs(const at::Tensor& data, const at::Tensor& vertices, const at::Tensor& candidates,
-                        int64_t degree) {
+                        int64_t degree, int64_t fixed, bool shrink) {
   check_points(data, "data");
   TORCH_CHECK_TYPE(vertices.scalar_type() == at::kLong, "vertices: expected int64, got ", vertices.scalar_type());
   TORCH_CHECK_TYPE(candidates.scalar_type() == at::kLong || candidates.scalar_type() == at::kInt,
@@ -278,6 +278,9 @@ void check_prune_inputs(const at::Tensor& data, const at::Tensor& vertices, cons
   TORCH_CHECK_VALUE(candidates.size(1) <= kMaxPruneCandidates, "candidates: at most ", kMaxPruneCandidates,
                     " per vertex, got ", candidates.size(1));
   TORCH_CHECK_VALUE(degree >= 1 && degree <= kMaxPoolSize, "degree: expected 1 .. ", kMaxPoolSize, ", got ", degree);
+  TORCH_CHECK_VALUE(fixed >= 0, "fixed: expected a number of columns >= 0, got ", fixed);
+  TORCH_CHECK_VALUE(!shrink || fixed == 0, "fixed: a shrink keeps no column whatever the rule says (its first ",
+                    "`degree` columns are the row); expected 0, got ", fixed);
   TORCH_CHECK_VALUE(data.size(0) < (int64_t{1} << 30) - 1, "data: prune_rows takes fewer than 2^30 - 1 rows");
   check_same_device(data, "data", vertices, "vertices");
   check_same_device(data, "data", candidates, "candidates");

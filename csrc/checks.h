@@ -79,8 +79,8 @@ EdgeFilter check_segment_edges_inputs(const at::Tensor& dists, const at::Tensor&
                                       const c10::optional<double>& max_distance, bool drop_self);
 // prune_rows (prune.h): data [n, D], int64 vertices [m] in [0, n) (read where contents are
 // readable), int32/int64 candidates [m, c] with c <= kMaxPruneCandidates (any values: those
-// outside [0, n) are no candidates), 1 <= degree <= kMaxPoolSize.
+// outside [0, n) are no candidates), 1 <= degree <= kMaxPoolSize, fixed >= 0, and 0 with shrink.
 void check_prune_inputs(const at::Tensor& data, const at::Tensor& vertices, const at::Tensor& candidates,
-                        int64_t degree);
+                        int64_t degree, int64_t fixed, bool shrink);
 
 }  // namespace grnnd

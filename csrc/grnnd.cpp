@@ -66,8 +66,9 @@ TORCH_LIBRARY(grnnd, m) {
   // The build's relative-neighbourhood rule applied to chosen rows (csrc/prune.h): for each
   // vertices[i], a row of at most `degree` of its candidates[i] (-1 padded, any values; those
   // outside [0, n) are ignored), as editing an index needs; the first `fixed` columns are kept
-  // whatever the rule says and however far (the nearest `degree` of them); with `shrink`, a full
-  // row and its newcomers lose only their surplus.
+  // whatever the rule says and however far (the nearest `degree` of them); with `shrink`, the
+  // first `degree` columns are a graph row (ascending by distance) and the others its newcomers,
+  // and they lose only their surplus.
   // int32 [m, degree].
   m.def(
       "prune_rows(Tensor data, Tensor vertices, Tensor candidates, int degree, *, str metric=\"l2\", "

@@ -18,14 +18,31 @@
 //      places then go to the nearest of the ones the rule dropped, as the build fills its rows
 //      after the rule (fill.h).
 //      Without the rule, the fixed ones and the nearest free ones are kept.
-//      With `shrink` (a full row and the new vertices that link to it, in Index.add), instead
-//      only the list's surplus over `degree` goes: walking from the farthest entry u towards the
-//      nearest, a free u is dropped if a nearer entry w of the list covers it (d(w, u) < d(v, u)),
-//      until `degree` remain; where too few are covered, the farthest free ones that are not go
-//      too. A row that takes one new vertex then costs about one pass over its entries, where the
-//      rule (as HNSW and DiskANN re-prune a full list) costs a pass over every pair, and the
-//      entries the build chose for it stay unless one is covered.
 //   4. The row: kept entries in list order (ascending distance), -1 padded to `degree`.
+//
+// With `shrink` (a row of the graph and the new vertices that link to it, in Index.add), only
+// the surplus over `degree` goes, and the row is not ranked again: the graph keeps every row
+// ascending by distance, so computing d(v, u) for all of its entries would only sort it again.
+// `fixed` must be 0.
+//   S1. The row: the entries of the first min(degree, c) columns, in their order (ids outside
+//       [0, n) and v skipped). Newcomers: the ids of the other columns in [0, n) that are not
+//       v, not in the row and not a repeat of an earlier column, the first `degree` of them,
+//       ranked by (d(v, x), x).
+//   S2. Each newcomer's place p: the binary search over the row's distances, lo = 0, hi = row
+//       length; while lo < hi: mid = (lo + hi) / 2, lo = mid + 1 if d(v, row[mid]) <= d(v, x),
+//       else hi = mid; p = lo (after the row's entries at an equal distance). A newcomer's place
+//       is raised to the place of the newcomer ranked before it where that is farther along (a
+//       row out of order could give a lower one). d(v, row[i]) is computed only where a search
+//       reaches it.
+//   S3. The list: each newcomer before the row entry at its place, after the newcomers ranked
+//       before it at that place.
+//   S4. Walking from the farthest entry u towards the nearest, u is dropped if a nearer entry w
+//       of the list covers it (d(w, u) < d(v, u)), until `degree` remain; where too few are
+//       covered, the farthest ones left go too. A row that takes one new vertex costs about a
+//       binary search and one pass over its entries, where the rule (as HNSW and DiskANN
+//       re-prune a full list) costs a pass over every pair, and the entries the build chose
+//       for it stay unless one is covered.
+//   S5. The row: the entries left in list order, -1 padded to `degree`.
 //
 // Distances are the build's: the metric's on the prepared rows (cosine normalised), inner
 // product as squared l2 in the lifted space (params.h, lifts_inner_product), the lift taken

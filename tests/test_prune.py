@@ -14,21 +14,25 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skip
     not torch.cuda.is_available(), reason="needs a CUDA device")])]
 
 
+def distance(x, a, b):
+    return float((x[a] - x[b]).pow(2).sum())
+
+
 def reference_row(x, v, candidates, degree, rule, fixed=0, shrink=False):
     """The recipe of csrc/prune.h for one vertex, in squared l2 on float64 rows."""
     x = x.double()
+    if shrink:
+        return reference_shrink(x, v, candidates, degree)
     valid = [(j, int(u)) for j, u in enumerate(candidates) if 0 <= int(u) < x.shape[0] and int(u) != v]
     pinned = {u for j, u in valid if j < fixed}
-    by_distance = sorted((float((x[u] - x[v]).pow(2).sum()), u) for u in {u for _, u in valid})
+    by_distance = sorted((distance(x, u, v), u) for u in {u for _, u in valid})
     ranked = sorted([e for e in by_distance if e[1] in pinned][:degree] +
                     [e for e in by_distance if e[1] not in pinned][:2 * degree])
-    if shrink:
-        return reference_shrink(x, ranked, pinned, degree)
     kept, free_places = [], degree - sum(u in pinned for _, u in ranked)
     for d_vu, u in ranked:
         if u in pinned:
             kept.append((d_vu, u))
-        elif free_places > 0 and (not rule or all(float((x[w] - x[u]).pow(2).sum()) >= d_vu for _, w in kept)):
+        elif free_places > 0 and (not rule or all(distance(x, w, u) >= d_vu for _, w in kept)):
             kept.append((d_vu, u))
             free_places -= 1
     for entry in ranked:
@@ -40,20 +44,43 @@ def reference_row(x, v, candidates, degree, rule, fixed=0, shrink=False):
     return row + [-1] * (degree - len(row))
 
 
-def reference_shrink(x, ranked, pinned, degree):
-    """Step 3 with ``shrink``: the surplus over degree goes, farthest covered free entries first,
-    then the farthest free ones."""
-    surplus, dropped = len(ranked) - degree, set()
-    for j in reversed(range(len(ranked))):
-        d_vu, u = ranked[j]
-        if surplus > 0 and u not in pinned and any(float((x[w] - x[u]).pow(2).sum()) < d_vu for _, w in ranked[:j]):
+def reference_shrink(x, v, candidates, degree):
+    """The shrink (S1-S5): the first ``degree`` columns are the row, in their order; each
+    newcomer goes where a binary search over the row's distances puts it; then the surplus goes,
+    farthest covered entries first, then the farthest."""
+    ids = [int(u) for u in candidates]
+    usable = [u for u in ids if 0 <= u < x.shape[0] and u != v]
+    own = [u for u in ids[:degree] if u in usable]
+    newcomers = []
+    for j, u in enumerate(ids[degree:], start=degree):
+        if u in usable and u not in own and u not in ids[degree:j] and len(newcomers) < degree:
+            newcomers.append(u)
+    newcomers.sort(key=lambda u: (distance(x, u, v), u))
+    places = []
+    for u in newcomers:
+        lo, hi = 0, len(own)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if distance(x, own[mid], v) <= distance(x, u, v):
+                lo = mid + 1
+            else:
+                hi = mid
+        places.append(max([lo] + places[-1:]))
+    merged = []
+    for i in range(len(own) + 1):
+        merged += [u for u, p in zip(newcomers, places) if p == i]
+        merged += own[i:i + 1]
+    surplus, dropped = len(merged) - degree, set()
+    for j in reversed(range(len(merged))):
+        u = merged[j]
+        if surplus > 0 and any(distance(x, w, u) < distance(x, u, v) for w in merged[:j]):
             dropped.add(j)
             surplus -= 1
-    for j in reversed(range(len(ranked))):
-        if surplus > 0 and j not in dropped and ranked[j][1] not in pinned:
+    for j in reversed(range(len(merged))):
+        if surplus > 0 and j not in dropped:
             dropped.add(j)
             surplus -= 1
-    row = [u for j, (_, u) in enumerate(ranked) if j not in dropped][:degree]
+    row = [u for j, u in enumerate(merged) if j not in dropped][:degree]
     return row + [-1] * (degree - len(row))
 
 
@@ -71,7 +98,7 @@ def test_rows_follow_the_recipe_exactly(device, degree, width):
     candidates = torch.randint(-2, 420, (60, width), generator=g)  # repeats, -1s, ids >= n, self
     candidates[:, 0] = vertices
     for rule, fixed, shrink in ((True, 0, False), (False, 0, False), (True, degree // 2, False), (True, degree, False),
-                                (False, degree, False), (False, 0, True), (False, degree // 2, True)):
+                                (False, degree, False), (False, 0, True)):
         got = torch.ops.grnnd.prune_rows(x.to(device), vertices.to(device), candidates.to(device), degree, rule=rule,
                                          fixed=fixed, shrink=shrink)
         assert got.dtype == torch.int32 and got.shape == (60, degree)
@@ -112,6 +139,42 @@ def test_a_shrunk_row_keeps_its_entries_and_drops_a_covered_newcomer(device):
     grown = torch.ops.grnnd.prune_rows(x.to(device), vertices.to(device), candidates.to(device), 5, rule=False,
                                        shrink=True).cpu()
     assert grown.tolist() == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_shrink_of_a_sorted_row_equals_ranking_the_row_and_newcomers_together(device):
+    # Graph rows are kept ascending by distance, which is what lets a shrink place each newcomer
+    # by binary search instead of ranking the row again: on such rows both give the same list.
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(300, 8, generator=g, dtype=torch.float64)
+    degree, m = 16, 60
+    vertices = torch.randint(0, 300, (m,), generator=g)
+    rows, expected = [], []
+    for v in vertices.tolist():
+        others = torch.randperm(300, generator=g)
+        others = others[others != v]
+        row = sorted(others[:degree].tolist(), key=lambda u: distance(x, u, v))
+        newcomers = others[degree:degree + 1 + v % 7].tolist()
+        rows.append(row + newcomers + [-1] * (7 - len(newcomers)))
+        ranked = sorted(row + newcomers, key=lambda u: distance(x, u, v))
+        surplus, dropped = len(ranked) - degree, set()
+        for j in reversed(range(len(ranked))):
+            if surplus > 0 and any(distance(x, w, ranked[j]) < distance(x, ranked[j], v) for w in ranked[:j]):
+                dropped.add(j)
+                surplus -= 1
+        kept = [u for j, u in enumerate(ranked) if j not in dropped]
+        expected.append(kept[:degree])  # the farthest uncovered ones go where too few are covered
+    got = torch.ops.grnnd.prune_rows(x.float().to(device), vertices.to(device), torch.tensor(rows).to(device), degree,
+                                     rule=False, shrink=True).cpu()
+    assert got.tolist() == expected
+
+
+def test_a_shrink_takes_no_fixed_columns():
+    x = torch.randn(10, 4)
+    with pytest.raises(ValueError, match="fixed"):
+        torch.ops.grnnd.prune_rows(x, torch.tensor([0]), torch.tensor([[1, 2, 3]]), 2, shrink=True, fixed=1)
+    with pytest.raises(ValueError, match="fixed"):
+        torch.ops.grnnd.prune_rows(x, torch.tensor([0]), torch.tensor([[1, 2, 3]]), 2, fixed=-1)
 
 
 @pytest.mark.parametrize("device", DEVICES)

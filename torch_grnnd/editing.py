@@ -28,10 +28,12 @@ def prune_rows(data: Tensor, metric: str, vertices: Tensor, candidates: Tensor, 
     The build's rule on the nearest 2 x degree candidates, then the nearest dropped ones in the free places;
     with ``rule=False`` the nearest ``degree``, sorted; candidates in the first ``fixed``
     columns are kept whatever the rule says and however far (the nearest ``degree`` of them),
-    the others take the places left; with ``shrink=True`` only the surplus over
-    ``degree`` goes, farthest covered first (``torch.ops.grnnd.prune_rows``, csrc/prune.h).
+    the others take the places left; with ``shrink=True`` the first ``degree`` columns are a
+    row of the graph (ascending by distance) and the others its newcomers, and only the surplus
+    over ``degree`` goes, farthest covered first (``torch.ops.grnnd.prune_rows``, csrc/prune.h).
     """
-    candidates = torch.cat([candidates[:, :fixed], _packed(candidates[:, fixed:])], dim=1)
+    if not shrink:  # a shrink's first `degree` columns are the row, where they are
+        candidates = torch.cat([candidates[:, :fixed], _packed(candidates[:, fixed:])], dim=1)
     return torch.ops.grnnd.prune_rows.default(data, vertices, candidates, degree, metric=metric, rule=rule,
                                               fixed=fixed, shrink=shrink)
 
@@ -103,38 +105,40 @@ def link_new_rows(data: Tensor, metric: str, graph: Tensor, candidates: Tensor,
     ``reverse_share`` of a new row's entries (the build's rho, ``reverse_ratio``: the share of a
     pool, nearest first, that gets a reverse edge) takes the new vertices that link to it (the
     reverse edges, which make the new vertices reachable): where
-    they fit, beside its entries, sorted by distance; where the row would overflow ``degree``,
+    they fit, beside its entries, in distance order; where the row would overflow ``degree``,
     the row and its newcomers lose their surplus, farthest covered entries first
-    (``prune_rows(shrink=True)``: one pass over the row's entries per newcomer, where pruning
-    the whole list again, as HNSW shrinks a full neighbour list, costs a pass over every pair).
+    (``prune_rows(shrink=True)``: a binary search for each newcomer's place in the row, which is
+    kept ascending by distance, and about one pass over the row, where pruning the whole list
+    again, as HNSW shrinks a full neighbour list, costs a pass over every pair).
     """
     n, degree = graph.shape
+    b = candidates.shape[0]
     device = graph.device
-    new = torch.arange(n, n + candidates.shape[0], device=device)
+    new = torch.arange(n, n + b, device=device)
     new_rows = prune_rows(data, metric, new, candidates, degree)
     reverse = max(1, min(degree, math.ceil(reverse_share * degree)))
-    target = new_rows[:, :reverse].flatten().long()  # rows are ascending by distance
-    source = new.repeat_interleave(reverse)
-    linked = target >= 0
-    target, source = target[linked], source[linked]
-    no_change = (new_rows, torch.empty(0, dtype=torch.long, device=device),
-                 torch.empty(0, degree, dtype=torch.int32, device=device))
-    if target.numel() == 0:
-        return no_change
-    order = torch.argsort(target, stable=True)
-    target, source = target[order], source[order]
+    # The reverse edges (target row, new vertex), grouped by target; rows are ascending by
+    # distance, so the first `reverse` places are the nearest. An empty place sorts last, as the
+    # row n + b past every id, and its group is dropped.
+    past = n + b
+    target = new_rows[:, :reverse].flatten().long()
+    target, order = torch.sort(torch.where(target >= 0, target, past), stable=True)
+    source = order // reverse + n
     rows, counts = torch.unique_consecutive(target, return_counts=True)
-    group = torch.repeat_interleave(torch.arange(rows.numel(), device=device), counts)
+    widest, old_rows, linked_rows = torch.stack([counts.max(), (rows < n).sum(), (rows < past).sum()]).tolist()
+    # Each edge's place among its row's newcomers; a row keeps at most `degree` of them (the
+    # overflow lands in a column that is cut off).
+    width = min(degree, widest)
+    group = torch.repeat_interleave(torch.arange(rows.numel(), device=device), counts, output_size=target.numel())
     rank = torch.arange(target.numel(), device=device) - (counts.cumsum(0) - counts)[group]
-    within = rank < degree
-    incoming = torch.full((rows.numel(), degree), -1, dtype=torch.long, device=device)
-    incoming[group[within], rank[within]] = source[within]
-    old = rows < n
-    current = torch.empty(rows.numel(), degree, dtype=torch.int32, device=device)
-    current[old] = graph[rows[old]]
-    current[~old] = new_rows[rows[~old] - n]
-    # A row with room keeps all of its entries and newcomers, sorted: a shrink with no surplus.
+    incoming = torch.full((rows.numel(), width + 1), -1, dtype=torch.long, device=device)
+    incoming[group, rank.clamp_max(width)] = source
+    rows, incoming = rows[:linked_rows], incoming[:linked_rows, :width]
+    if linked_rows == 0:
+        return new_rows, rows, new_rows[:0]
+    # Rows below n are the index's (they come first: rows are sorted); the others are new rows.
+    current = torch.cat([graph[rows[:old_rows]], new_rows[rows[old_rows:] - n]])
     updated = prune_rows(data, metric, rows, torch.cat([current.long(), incoming], dim=1), degree, rule=False,
                          shrink=True)
-    new_rows = new_rows.index_copy(0, rows[~old] - n, updated[~old])
-    return new_rows, rows[old], updated[old]
+    new_rows = new_rows.index_copy(0, rows[old_rows:] - n, updated[old_rows:])
+    return new_rows, rows[:old_rows], updated[:old_rows]

@@ -1,7 +1,9 @@
 // prune_rows on the CPU: the twin of csrc/cuda/prune_cuda.cu, the recipe of csrc/prune.h with
 // one thread per row.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include <torch/library.h>
@@ -14,9 +16,85 @@ namespace grnnd {
 namespace cpu {
 namespace {
 
+// The shrink of prune.h for vertex v: the row keeps its order, and d(v, u) is computed only where
+// a newcomer's binary search or the surplus needs it.
+void shrink_row(const VectorSet& vectors, int64_t v, const int64_t* cand, int64_t width, int64_t n, int64_t degree,
+                int32_t* row) {
+  constexpr float kUnknown = std::numeric_limits<float>::quiet_NaN();
+  struct Entry {
+    int64_t id;
+    float dist;  // kUnknown until computed
+  };
+  const auto distance = [&](Entry& e) {
+    if (std::isnan(e.dist)) e.dist = vectors(v, e.id);
+    return e.dist;
+  };
+  // S1. The row in its order; the newcomers, ranked by (distance, id).
+  const int64_t row_width = std::min(width, degree);
+  std::vector<Entry> own;
+  for (int64_t j = 0; j < row_width; ++j) {
+    if (cand[j] >= 0 && cand[j] < n && cand[j] != v) own.push_back({cand[j], kUnknown});
+  }
+  std::vector<Entry> newcomers;
+  for (int64_t j = row_width; j < width && static_cast<int64_t>(newcomers.size()) < degree; ++j) {
+    const int64_t w = cand[j];
+    bool take = w >= 0 && w < n && w != v;
+    for (size_t i = 0; take && i < own.size(); ++i) take = own[i].id != w;
+    for (int64_t i = row_width; take && i < j; ++i) take = cand[i] != w;
+    if (take) newcomers.push_back({w, vectors(v, w)});
+  }
+  std::sort(newcomers.begin(), newcomers.end(), [](const Entry& a, const Entry& b) {
+    return a.dist < b.dist || (a.dist == b.dist && a.id < b.id);
+  });
+  // S2. Places by binary search, never behind the place of a nearer newcomer.
+  std::vector<int64_t> place(newcomers.size());
+  for (size_t k = 0; k < newcomers.size(); ++k) {
+    int64_t lo = 0, hi = static_cast<int64_t>(own.size());
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (distance(own[mid]) <= newcomers[k].dist) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    place[k] = k > 0 ? std::max(lo, place[k - 1]) : lo;
+  }
+  // S3. The list.
+  std::vector<Entry> list;
+  list.reserve(own.size() + newcomers.size());
+  for (size_t i = 0, k = 0; i <= own.size(); ++i) {
+    for (; k < newcomers.size() && place[k] <= static_cast<int64_t>(i); ++k) list.push_back(newcomers[k]);
+    if (i < own.size()) list.push_back(own[i]);
+  }
+  // S4. The surplus, covered ones first, from the farthest.
+  std::vector<char> kept(list.size(), 1);
+  int64_t surplus = static_cast<int64_t>(list.size()) - degree;
+  for (int64_t j = static_cast<int64_t>(list.size()) - 1; j >= 0 && surplus > 0; --j) {
+    const float d_vu = distance(list[j]);
+    bool covered = false;
+    for (int64_t w = 0; w < j && !covered; ++w) covered = vectors(list[w].id, list[j].id) < d_vu;
+    if (covered) {
+      kept[j] = 0;
+      --surplus;
+    }
+  }
+  for (int64_t j = static_cast<int64_t>(list.size()) - 1; j >= 0 && surplus > 0; --j) {
+    if (kept[j]) {
+      kept[j] = 0;
+      --surplus;
+    }
+  }
+  // S5.
+  int64_t at = 0;
+  for (size_t j = 0; j < list.size() && at < degree; ++j) {
+    if (kept[j]) row[at++] = static_cast<int32_t>(list[j].id);
+  }
+}
+
 at::Tensor prune_rows_cpu(const at::Tensor& data, const at::Tensor& vertices, const at::Tensor& candidates,
                           int64_t degree, c10::string_view metric_name, bool rule, int64_t fixed, bool shrink) {
-  check_prune_inputs(data, vertices, candidates, degree);
+  check_prune_inputs(data, vertices, candidates, degree, fixed, shrink);
   const Metric metric = parse_metric(std::string(metric_name));
   const at::Tensor x = prepare_vectors(data, metric);
   VectorSet vectors{x.data_ptr<float>(), x.size(1), metric};
@@ -33,6 +111,10 @@ at::Tensor prune_rows_cpu(const at::Tensor& data, const at::Tensor& vertices, co
 
   parallel_dynamic(m, 16, [&](int64_t r) {
     const int64_t v = vp[r];
+    if (shrink) {
+      shrink_row(vectors, v, cp + r * c, c, n, degree, op + r * degree);
+      return;
+    }
     // 1-2: the distinct candidates by (distance, id); of two copies of an id the fixed one
     // (free = 0) sorts first and stays.
     struct Candidate {
@@ -63,33 +145,12 @@ at::Tensor prune_rows_cpu(const at::Tensor& data, const at::Tensor& vertices, co
       }
     }
     list.resize(listed);
-    // 3: the rule, then the fill from what it dropped; or, shrinking, the covered surplus.
+    // 3: the rule, then the fill from what it dropped.
     std::vector<char> kept(list.size(), 0);
     int64_t count = 0;
-    if (shrink) {
-      std::fill(kept.begin(), kept.end(), 1);
-      int64_t surplus = static_cast<int64_t>(list.size()) - degree;
-      for (int64_t j = static_cast<int64_t>(list.size()) - 1; j >= 0 && surplus > 0; --j) {
-        bool covered = false;
-        for (int64_t w = 0; w < j && !covered && list[j].free; ++w) {
-          covered = vectors(list[w].id, list[j].id) < list[j].dist;
-        }
-        if (covered) {
-          kept[j] = 0;
-          --surplus;
-        }
-      }
-      for (int64_t j = static_cast<int64_t>(list.size()) - 1; j >= 0 && surplus > 0; --j) {
-        if (kept[j] && list[j].free) {
-          kept[j] = 0;
-          --surplus;
-        }
-      }
-      count = degree;  // no fill; step 4 takes at most `degree`
-    }
     // Every fixed entry is kept; the free ones share the places the fixed ones leave.
-    int64_t free_places = shrink ? 0 : degree - fixed_in_list;
-    for (size_t j = 0; j < list.size() && !shrink; ++j) {
+    int64_t free_places = degree - fixed_in_list;
+    for (size_t j = 0; j < list.size(); ++j) {
       if (list[j].free && free_places == 0) continue;
       bool keep = true;
       for (size_t w = 0; w < j && keep && rule && list[j].free; ++w) {

@@ -4,7 +4,8 @@
 // a key is 2 x id, plus 1 unless the candidate is fixed, so repeats are adjacent, the fixed copy
 // first, and they are dropped in the same pass that cuts the list. The rule's
 // distances are computed by teams of lanes (vectors_cuda.cuh), several kept entries at once, as
-// the build's update does.
+// the build's update does. A shrink (shrink_row) sorts nothing: the row keeps its order and the
+// newcomers find their places by binary search.
 #include <limits>
 
 #include <torch/library.h>
@@ -31,7 +32,7 @@ struct PruneArgs {
   int list_size;   // free candidates looked at: kPruneListFactor x degree
   bool rule;
   int64_t fixed;  // leading columns of `candidates` kept whatever the rule says
-  bool shrink;    // drop only the covered surplus over `degree` (prune.h, step 3)
+  bool shrink;    // a row and its newcomers lose only their covered surplus (prune.h, shrink)
   int sort_size;  // keys sorted per row: a power of two >= max(width, 32)
   int32_t* out;   // [m, degree]
 };
@@ -39,12 +40,36 @@ struct PruneArgs {
 // Entries of a row's list: list_size free ones and up to `degree` fixed ones (prune.h, step 2).
 __host__ __device__ inline int list_capacity(const PruneArgs& a) { return a.list_size + a.degree; }
 
-// Shared memory of a row: sort keys (distance, id), then the kept list positions, then a flag per
-// list position.
+// Shared memory of a row, in 4-byte words. The rule: sort keys (distance, id), then the kept list
+// positions, then a flag per list position. A shrink (ShrinkScratch): the merged list's ids,
+// distances and flags, then the row's ids and distances, then the newcomers' ids, distances and
+// places.
 size_t prune_scratch_bytes(const PruneArgs& a) {
-  return static_cast<size_t>(a.sort_size) * (sizeof(float) + sizeof(uint32_t)) +
-         static_cast<size_t>(a.degree + list_capacity(a)) * sizeof(int);
+  const int64_t words = a.shrink ? 3 * int64_t{a.sort_size} + 5 * int64_t{a.degree}
+                                 : 2 * int64_t{a.sort_size} + a.degree + list_capacity(a);
+  return static_cast<size_t>(words) * sizeof(uint32_t);
 }
+
+struct ShrinkScratch {
+  uint32_t* list_id;
+  float* list_dist;  // kUnknown until computed
+  int* flag;
+  uint32_t* row_id;
+  float* row_dist;  // kUnknown until computed
+  uint32_t* new_id;
+  float* new_dist;
+  int* new_place;
+
+  __device__ ShrinkScratch(uint32_t* s, const PruneArgs& a)
+      : list_id(s),
+        list_dist(reinterpret_cast<float*>(s + a.sort_size)),
+        flag(reinterpret_cast<int*>(s + 2 * a.sort_size)),
+        row_id(s + 3 * a.sort_size),
+        row_dist(reinterpret_cast<float*>(s + 3 * a.sort_size + a.degree)),
+        new_id(s + 3 * a.sort_size + 2 * a.degree),
+        new_dist(reinterpret_cast<float*>(s + 3 * a.sort_size + 3 * a.degree)),
+        new_place(reinterpret_cast<int*>(s + 3 * a.sort_size + 4 * a.degree)) {}
+};
 
 // The build's distance between rows u and w (prune.h), by the lanes of the calling team, each
 // lane's chunks of both rows loaded before any is used (4 in flight, as the search loads them).
@@ -62,6 +87,169 @@ __device__ __forceinline__ float prune_distance(const T* __restrict__ x, const P
   return rows_distance<TEAM, 4>(x, a.dim, a.metric, a.lift, u, w, valid, rank);
 }
 
+// A distance not computed yet (distances are never NaN: add and build refuse NaN rows).
+__device__ __forceinline__ float unknown_distance() { return __int_as_float(0x7fffffff); }
+
+// The shrink of prune.h for vertex v, one warp: the row's entries keep their order, and only the
+// distances the newcomers' places and the surplus need are computed.
+template <typename T, int TEAM>
+__device__ void shrink_row(const T* __restrict__ x, const PruneArgs& a, int64_t v, int32_t* row, uint32_t* scratch) {
+  constexpr int kTeams = kWarpSize / TEAM;
+  const int lane = threadIdx.x, team = lane / TEAM, rank = lane % TEAM;
+  const int degree = a.degree;
+  const ShrinkScratch s(scratch, a);
+  const int64_t* cand = a.candidates + static_cast<int64_t>(blockIdx.x) * a.width;
+  const int row_width = static_cast<int>(min(a.width, int64_t{degree}));
+
+  // 1. The row's entries in their order; newcomers: the other columns' ids that are not in the
+  // row, nor v, nor a repeat of an earlier column, the first `degree` of them.
+  int c = 0;
+  for (int base = 0; base < row_width; base += kWarpSize) {
+    const int j = base + lane;
+    const int64_t w = j < row_width ? cand[j] : -1;
+    const bool take = w >= 0 && w < a.n && w != v;
+    const unsigned mask = __ballot_sync(kFullMask, take);
+    if (take) {
+      const int at = c + __popc(mask & lanes_below(lane));
+      s.row_id[at] = static_cast<uint32_t>(w);
+      s.row_dist[at] = unknown_distance();
+    }
+    c += __popc(mask);
+  }
+  __syncwarp();
+  int m = 0;
+  for (int base = row_width; base < a.width && m < degree; base += kWarpSize) {
+    const int j = base + lane;
+    const int64_t w = j < a.width ? cand[j] : -1;
+    bool take = w >= 0 && w < a.n && w != v;
+    for (int i = 0; take && i < c; ++i) take = s.row_id[i] != static_cast<uint32_t>(w);
+    for (int i = row_width; take && i < j; ++i) take = cand[i] != w;
+    const unsigned mask = __ballot_sync(kFullMask, take);
+    const int at = m + __popc(mask & lanes_below(lane));
+    if (take && at < degree) s.new_id[at] = static_cast<uint32_t>(w);
+    m = min(degree, m + __popc(mask));
+  }
+  __syncwarp();
+
+  // 2. The newcomers' distances to v, then the newcomers by (distance, id).
+  for (int k0 = 0; k0 < m; k0 += kTeams) {
+    const int k = k0 + team;
+    const bool valid = k < m;
+    const float d = prune_distance<TEAM>(x, a, v, valid ? s.new_id[k] : v, valid, rank);
+    if (valid && rank == 0) s.new_dist[k] = d;
+  }
+  __syncwarp();
+  for (int k = lane; k < m; k += kWarpSize) {
+    const float d = s.new_dist[k];
+    const uint32_t id = s.new_id[k];
+    int before = 0;
+    for (int i = 0; i < m; ++i) before += s.new_dist[i] < d || (s.new_dist[i] == d && s.new_id[i] < id);
+    s.list_id[before] = id;
+    s.list_dist[before] = d;
+  }
+  __syncwarp();
+  for (int k = lane; k < m; k += kWarpSize) {
+    s.new_id[k] = s.list_id[k];
+    s.new_dist[k] = s.list_dist[k];
+  }
+  __syncwarp();
+
+  // 3. Each newcomer's place: a binary search over the row's distances, a team per newcomer, the
+  // distances shared between the teams as they are computed.
+  const int steps = 32 - __clz(c);  // the most halvings of [0, c)
+  for (int k0 = 0; k0 < m; k0 += kTeams) {
+    const int k = k0 + team;
+    const float d = k < m ? s.new_dist[k] : 0.0f;
+    int lo = 0, hi = k < m ? c : 0;
+    for (int step = 0; step < steps; ++step) {
+      const bool searching = lo < hi;
+      const int mid = (lo + hi) >> 1;
+      float d_mid = searching ? s.row_dist[mid] : 0.0f;
+      const bool compute = searching && isnan(d_mid);  // the same for a team's lanes
+      const float computed = prune_distance<TEAM>(x, a, v, compute ? s.row_id[mid] : v, compute, rank);
+      __syncwarp();
+      if (compute) {
+        d_mid = computed;
+        if (rank == 0) s.row_dist[mid] = computed;
+      }
+      if (searching) {
+        if (d_mid <= d) {
+          lo = mid + 1;
+        } else {
+          hi = mid;
+        }
+      }
+      __syncwarp();
+    }
+    if (k < m && rank == 0) s.new_place[k] = lo;
+  }
+  __syncwarp();
+  if (lane == 0) {  // places never fall behind a nearer newcomer's (a row out of order could)
+    for (int k = 1; k < m; ++k) s.new_place[k] = max(s.new_place[k], s.new_place[k - 1]);
+  }
+  __syncwarp();
+
+  // 4. The merged list: each newcomer before the row entry at its place, after the newcomers
+  // placed there before it.
+  const int count = c + m;
+  for (int i = lane; i < c; i += kWarpSize) {
+    int newcomers_before = 0;
+    for (int k = 0; k < m; ++k) newcomers_before += s.new_place[k] <= i;
+    s.list_id[i + newcomers_before] = s.row_id[i];
+    s.list_dist[i + newcomers_before] = s.row_dist[i];
+  }
+  __syncwarp();
+  for (int k = lane; k < m; k += kWarpSize) {
+    const int at = s.new_place[k] + k;
+    s.list_id[at] = s.new_id[k];
+    s.list_dist[at] = s.new_dist[k];
+  }
+  for (int j = lane; j < count; j += kWarpSize) s.flag[j] = 1;
+  __syncwarp();
+
+  // 5. The surplus: from the farthest entry towards the nearest, a covered one goes; then the
+  // farthest that are left, while too many remain.
+  int surplus = count - degree;
+  for (int j = count - 1; j >= 0 && surplus > 0; --j) {  // warp-uniform
+    const uint32_t u = s.list_id[j];
+    float d_vu = s.list_dist[j];
+    if (isnan(d_vu)) d_vu = __shfl_sync(kFullMask, prune_distance<TEAM>(x, a, v, u, team == 0, rank), 0);
+    bool covered = false;
+    for (int g0 = 0; !covered && g0 < j; g0 += kTeams) {
+      const int g = g0 + team;
+      const bool valid = g < j;
+      const float d_wu = prune_distance<TEAM>(x, a, u, valid ? s.list_id[g] : u, valid, rank);
+      covered = __any_sync(kFullMask, valid && rank == 0 && d_wu < d_vu);
+    }
+    if (covered) {
+      if (lane == 0) s.flag[j] = 0;
+      --surplus;
+    }
+  }
+  __syncwarp();
+  if (lane == 0) {
+    for (int j = count - 1; j >= 0 && surplus > 0; --j) {
+      if (s.flag[j]) {
+        s.flag[j] = 0;
+        --surplus;
+      }
+    }
+  }
+  __syncwarp();
+
+  // 6. Kept entries in list order, -1 padded.
+  int written = 0;
+  for (int base = 0; base < count; base += kWarpSize) {
+    const int j = base + lane;
+    const bool take = j < count && s.flag[j];
+    const unsigned mask = __ballot_sync(kFullMask, take);
+    const int at = written + __popc(mask & lanes_below(lane));
+    if (take && at < degree) row[at] = static_cast<int32_t>(s.list_id[j]);
+    written += __popc(mask);
+  }
+  for (int j = min(written, degree) + lane; j < degree; j += kWarpSize) row[j] = -1;
+}
+
 template <typename T, int TEAM>
 __global__ void __launch_bounds__(kWarpSize, 32) prune_kernel(const T* __restrict__ x, PruneArgs a) {
   constexpr int kTeams = kWarpSize / TEAM;
@@ -76,6 +264,10 @@ __global__ void __launch_bounds__(kWarpSize, 32) prune_kernel(const T* __restric
   const int64_t v = a.vertices[r];
   if (v < 0 || v >= a.n) {  // checked on the host unless the stream is being captured
     for (int j = lane; j < a.degree; j += kWarpSize) row[j] = -1;
+    return;
+  }
+  if (a.shrink) {
+    shrink_row<T, TEAM>(x, a, v, row, scratch);
     return;
   }
 
@@ -137,43 +329,11 @@ __global__ void __launch_bounds__(kWarpSize, 32) prune_kernel(const T* __restric
   }
   const int fixed_listed = a.fixed > 0 ? fixed_count : 0;
 
-  // 3, shrinking: from the farthest entry, drop covered free ones while there are too many.
+  // 3. The rule in list order (every fixed entry kept, the free ones in the places left beside
+  // them), then the fill from the entries it dropped.
   int kept_count = 0;
-  if (a.shrink) {
-    for (int j = lane; j < count; j += kWarpSize) flag[j] = 1;
-    __syncwarp();
-    int surplus = count - a.degree;
-    for (int j = count - 1; j >= 0 && surplus > 0; --j) {  // surplus is warp-uniform
-      if ((id[j] & 1u) == 0) continue;
-      const uint32_t u = id[j] >> 1;
-      const float d_vu = dist[j];
-      bool covered = false;
-      for (int g0 = 0; !covered && g0 < j; g0 += kTeams) {
-        const int g = g0 + team;
-        const bool valid = g < j;
-        const float d_wu = prune_distance<TEAM>(x, a, u, valid ? id[g] >> 1 : u, valid, rank);
-        covered = __any_sync(kFullMask, valid && rank == 0 && d_wu < d_vu);
-      }
-      if (covered) {
-        if (lane == 0) flag[j] = 0;
-        --surplus;
-      }
-    }
-    if (lane == 0) {
-      for (int j = count - 1; j >= 0 && surplus > 0; --j) {
-        if (flag[j] && (id[j] & 1u) != 0) {
-          flag[j] = 0;
-          --surplus;
-        }
-      }
-    }
-    kept_count = a.degree;  // no rule, no fill; step 4 takes at most `degree`
-    __syncwarp();
-  }
-  // 3, otherwise: the rule in list order (every fixed entry kept, the free ones in the places
-  // left beside them), then the fill from the entries it dropped.
-  int free_places = a.shrink ? 0 : a.degree - fixed_listed;
-  for (int j = 0; j < count && !a.shrink; ++j) {  // warp-uniform
+  int free_places = a.degree - fixed_listed;
+  for (int j = 0; j < count; ++j) {  // warp-uniform
     const uint32_t u = id[j] >> 1;
     const bool free = (id[j] & 1u) != 0;
     if (free && free_places == 0) continue;
@@ -227,7 +387,7 @@ void launch(const at::Tensor& x, const PruneArgs& a, int64_t m, cudaStream_t str
 
 at::Tensor prune_rows_cuda(const at::Tensor& data, const at::Tensor& vertices, const at::Tensor& candidates,
                            int64_t degree, c10::string_view metric_name, bool rule, int64_t fixed, bool shrink) {
-  check_prune_inputs(data, vertices, candidates, degree);
+  check_prune_inputs(data, vertices, candidates, degree, fixed, shrink);
   const c10::cuda::CUDAGuard guard(data.device());
   const Metric metric = parse_metric(std::string(metric_name));
   const at::Tensor x = prepare_vectors(data, metric);
