@@ -47,6 +47,13 @@ inline at::Tensor start_entries(const c10::optional<at::Tensor>& init, const at:
   return t.slice(1, 0, columns).contiguous();
 }
 
+// init_split checked: the row where a merge's second graph starts (0: not a merge).
+inline int64_t start_split(int64_t init_split, int64_t n) {
+  TORCH_CHECK_VALUE(init_split >= 0 && init_split <= n, "init_split: expected a row in [0, ", n, "], got ",
+                    init_split);
+  return init_split;
+}
+
 constexpr double kOuterDelta = 10.0;
 
 // update(order, round, count) runs update round `round` (1-based, the random streams' counter)

@@ -26,11 +26,13 @@ extern "C" PyObject* PyInit__C(void) {
 TORCH_LIBRARY(grnnd, m) {
   // GRNND graph build (seed 000, Algorithm 3). Defaults were measured: benchmarks/tune_build.py.
   // init: optional int32 [N, c] entries each vertex starts with besides its S draws, as already
-  // compared ("old", seed 003's merge of built graphs), -1 padded (build_schedule.h, start_pools).
+  // compared ("old", seed 003's merge of built graphs), -1 padded (build_schedule.h, start_entries).
+  // init_split: where a merge's second graph starts; each row then draws from the other graph
+  // (hubs.h, initial_neighbour). 0: draws from all rows.
   m.def(
       "build(Tensor data, *, int degree=48, int initial_degree=16, int pool_size=48, int outer_iters=8, "
       "int inner_iters=8, float reverse_ratio=0.6, str update_order=\"descending\", str metric=\"l2\", "
-      "int seed=0, float delta=0.02, str start=\"hubs\", Tensor? init=None) -> Tensor");
+      "int seed=0, float delta=0.02, str start=\"hubs\", Tensor? init=None, int init_split=0) -> Tensor");
   // Batched greedy graph search; list_size=0 means max(k, 64). No argument is keyword-only:
   // torch.library.register_autograd (torch_grnnd/autograd.py) rejects keyword-only tensors
   // such as `filter`; the Python wrapper keeps them keyword-only for callers.
@@ -105,7 +107,7 @@ namespace {
 TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
   m.impl("build", [](const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, double, c10::string_view,
                      c10::string_view, int64_t, double, c10::string_view,
-                     const c10::optional<at::Tensor>&) -> at::Tensor { no_cuda_kernel("build"); });
+                     const c10::optional<at::Tensor>&, int64_t) -> at::Tensor { no_cuda_kernel("build"); });
   m.impl("search", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
                       c10::string_view, int64_t, const c10::optional<at::Tensor>&, int64_t,
                       int64_t) -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("search"); });

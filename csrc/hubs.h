@@ -85,16 +85,37 @@ inline CellView cell_view(const Cells& cells) {
 // cells, the first half from v's own cell and the next quarter from its second cell (the
 // neighbourhood across the nearest cell border), the last quarter uniform over all n rows, which
 // keeps long edges in the start; without cells, all uniform (seed 000).
+//
+// split (0 < split < n) says the rows are two graphs being merged, [0, split) and [split, n)
+// (seed 003's GGM): v then draws only from the other part's rows, in the same cells. Its own
+// part's rows went through its own build, and a draw from them would spend the merge's rounds
+// finding again what that build found. Members ascend within a cell, so the other part's
+// members are a prefix or a suffix of it.
 GRNND_HOST_DEVICE int64_t initial_neighbour(const CellView& cells, int64_t v, int s, int initial_degree, uint32_t r,
-                                            int64_t n) {
+                                            int64_t n, int64_t split = 0) {
+  const bool parts = split > 0 && split < n;
+  const int64_t low = parts && v < split ? split : 0, high = parts && v >= split ? split : n;
   const int which = 2 * s < initial_degree ? 0 : (4 * s < 3 * initial_degree ? 1 : -1);
   if (cells.members != nullptr && which >= 0) {
     const int32_t cell = cells.cell[2 * v + which];
-    const int32_t begin = cells.begin[cell], size = cells.begin[cell + 1] - begin;
-    // A second cell may be empty (duplicate rows can tie two hubs): draw uniformly then.
-    if (size > 0) return cells.members[begin + random_below(r, static_cast<uint32_t>(size))];
+    int32_t begin = cells.begin[cell], end = cells.begin[cell + 1];
+    if (parts) {
+      int32_t first_second = begin, past = end;  // the first member >= split, by binary search
+      while (first_second < past) {
+        const int32_t mid = first_second + (past - first_second) / 2;
+        if (cells.members[mid] < split) {
+          first_second = mid + 1;
+        } else {
+          past = mid;
+        }
+      }
+      (v < split ? begin : end) = first_second;
+    }
+    // A cell may hold none of the rows wanted (duplicate rows can tie two hubs and leave a
+    // second cell empty; a cell may lie within one part): draw uniformly then.
+    if (end > begin) return cells.members[begin + random_below(r, static_cast<uint32_t>(end - begin))];
   }
-  return random_below(r, static_cast<uint32_t>(n));
+  return low + random_below(r, static_cast<uint32_t>(high - low));
 }
 
 // Search entry points: for each query, the ids of its `count` nearest hubs (int32 [q, count],

@@ -156,6 +156,12 @@ def editing(g: torch.Generator):
     grnnd.merge(index, other, outer_iters=2, inner_iters=2)
     junk = torch.randint(-5, 7000, (6000, 40), generator=g, device="cuda", dtype=torch.int32)
     grnnd.build(data, degree=16, pool_size=32, outer_iters=1, inner_iters=2, init=junk)
+    # A merge's start with hubs: draws from the other part's members of a cell (binary search),
+    # init entries pruned among themselves first.
+    rows = torch.randn(40_000, 8, generator=g, device="cuda")
+    init = torch.randint(-1, 40_000, (40_000, 12), generator=g, device="cuda", dtype=torch.int32)
+    grnnd.build(rows, degree=8, pool_size=16, initial_degree=4, outer_iters=1, inner_iters=1, init=init,
+                init_split=20_000)
 
 
 def out_of_core(g: torch.Generator):

@@ -89,6 +89,24 @@ def test_a_build_started_from_its_own_graph_keeps_it(halves, device):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [4000, 40_000])  # random draws; draws from the cells of 40 hubs
+def test_a_merge_draws_from_the_other_graph(device, rows):
+    # No rounds and rows of S places: a row holds its S draws (fewer where a draw repeats, and the
+    # fill tops those up from two hops away, which leads back to the row's own part).
+    data = clustered(rows, 16, 40, seed=7).to(device)
+    empty = torch.full((rows, 1), -1, dtype=torch.int32, device=device)
+    settings = dict(degree=8, initial_degree=8, pool_size=16, inner_iters=0, reverse_ratio=0.0)
+    part = torch.arange(rows, device=device) >= rows // 2
+    for split, low, high in [(rows // 2, 0.97, 1.0), (0, 0.4, 0.6)]:
+        graph = grnnd.build(data, init=empty, init_split=split, **settings).long()
+        cross = (part[graph.clamp(min=0)] != part[:, None])[graph >= 0].float().mean().item()
+        assert low <= cross <= high, (split, cross)
+    for bad in (-1, rows + 1):
+        with pytest.raises(ValueError, match=r"init_split: expected a row in \[0, "):
+            grnnd.build(data, init=empty, init_split=bad, **settings)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_pools_start_as_on_the_cpu(halves):
     # One round without reverse edges from the same start: CPU and CUDA pools hold the same
@@ -96,10 +114,11 @@ def test_cuda_pools_start_as_on_the_cpu(halves):
     data = halves[0][:3000]
     init = grnnd.build(data, degree=16)
     settings = dict(outer_iters=1, inner_iters=1, reverse_ratio=0.0, delta=0.0)
-    with one_thread():
-        cpu = grnnd.build(data, init=init, **settings)
-    gpu = grnnd.build(data.cuda(), init=init.cuda(), **settings).cpu()
-    assert (cpu == gpu).all(1).float().mean() >= 0.9
+    for split in (0, 1000):
+        with one_thread():
+            cpu = grnnd.build(data, init=init, init_split=split, **settings)
+        gpu = grnnd.build(data.cuda(), init=init.cuda(), init_split=split, **settings).cpu()
+        assert (cpu == gpu).all(1).float().mean() >= 0.9, split
 
 
 def test_a_merge_runs_one_outer_iteration_unless_told(halves):

@@ -57,4 +57,4 @@ def merge_graphs(data_a: Tensor, graph_a: Tensor, data_b: Tensor, graph_b: Tenso
 
     data = torch.cat([data_a, data_b])
     init = torch.cat([widened(graph_a, 0), widened(graph_b, n_a)])
-    return data, ops.build(data, params, metric=metric, progress=progress, init=init)
+    return data, ops.build(data, params, metric=metric, progress=progress, init=init, init_split=n_a)

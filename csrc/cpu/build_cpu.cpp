@@ -117,20 +117,55 @@ class Pools {
 
 // Line 4 of Algorithm 3: S random distinct neighbours (self and repeats are dropped, so a
 // vertex may start with slightly fewer), drawn where start_cell (params.h, hubs.h) says; after
-// the entries of `init` where given, as old ones (build_schedule.h, start_entries).
+// the entries of `init` where given that the rule keeps among themselves, as old ones
+// (build_schedule.h, start_entries); a merge's draws come from the other graph's rows (split,
+// initial_neighbour).
 void initialise(const VectorSet& vectors, int64_t n, const BuildParams& p, const Cells& cells, const at::Tensor& init,
-                Pools& pools) {
+                int64_t split, Pools& pools) {
   const CellView view = cell_view(cells);
   const int64_t columns = init.defined() ? init.size(1) : 0;
   const int32_t* start = init.defined() ? init.data_ptr<int32_t>() : nullptr;
   parallel_dynamic(n, 256, [&](int64_t v) {
-    for (int64_t c = 0; c < columns; ++c) {
-      const int32_t u = start[v * columns + c];
-      if (u >= 0 && u < n && u != v) pools.insert(0, v, u, vectors(v, u), false);
+    if (columns > 0) {
+      thread_local std::vector<int32_t> ids;
+      thread_local std::vector<float> dists;
+      thread_local std::vector<int> order, kept;
+      thread_local std::vector<char> keep;
+      ids.clear();
+      dists.clear();
+      for (int64_t c = 0; c < columns; ++c) {
+        const int32_t u = start[v * columns + c];
+        if (u < 0 || u >= n || u == v || std::find(ids.begin(), ids.end(), u) != ids.end()) continue;
+        ids.push_back(u);
+        dists.push_back(vectors(v, u));
+      }
+      const int count = static_cast<int>(ids.size());
+      order.resize(count);
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(),
+                [&](int a, int b) { return dists[a] < dists[b] || (dists[a] == dists[b] && a < b); });
+      keep.assign(count, 0);
+      kept.clear();
+      for (const int j : order) {
+        bool covered = false;
+        for (const int i : kept) {
+          if (vectors(ids[i], ids[j]) < dists[j]) {
+            covered = true;
+            break;
+          }
+        }
+        if (!covered) {
+          kept.push_back(j);
+          keep[j] = 1;
+        }
+      }
+      for (int j = 0; j < count; ++j) {
+        if (keep[j]) pools.insert(0, v, ids[j], dists[j], false);
+      }
     }
     for (int s = 0; s < p.initial_degree; ++s) {
       const uint32_t r = random_u32(p.seed, Stream::kInitialNeighbours, static_cast<uint32_t>(v), 0, s);
-      const int64_t u = initial_neighbour(view, v, s, p.initial_degree, r, n);
+      const int64_t u = initial_neighbour(view, v, s, p.initial_degree, r, n, split);
       if (u != v) pools.insert(0, v, static_cast<int32_t>(u), vectors(v, u), true);
     }
   });
@@ -243,7 +278,7 @@ void sample_reverse_edges(int64_t n, Pools& pools, int read, const BuildParams& 
 at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_degree, int64_t pool_size,
                      int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
                      c10::string_view metric, int64_t seed, double delta, c10::string_view start,
-                     const c10::optional<at::Tensor>& init) {
+                     const c10::optional<at::Tensor>& init, int64_t init_split) {
   check_build_inputs(data);
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
                                           std::string(update_order), std::string(metric), seed, delta,
@@ -256,7 +291,7 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
 
   Pools pools(n, p.pool_size);
   initialise(vectors, n, p, p.start == Start::kHubs ? partition_cells(x, lift) : Cells{}, start_entries(init, data, p),
-             pools);
+             start_split(init_split, n), pools);
   int read = 0;
   run_schedule(
       p, n,

@@ -125,6 +125,7 @@ struct BuildArgs {
   UpdateOrder update_order;
   uint64_t seed;
   CellView cells;  // where initial neighbours are drawn (hubs.h); empty: uniformly
+  int64_t split;   // a merge's second graph starts at this row (initial_neighbour), else 0
   int* changes;    // [n]: the pool entries each vertex's redirects changed in the last round
 };
 
@@ -194,9 +195,63 @@ __device__ __forceinline__ int64_t warp_vertex() {
   return static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
 }
 
+// The entries s.slot[0, count) (distances to v in s.dist) that the rule keeps among themselves,
+// as the CPU's initialise finds them: walked nearest first, an entry goes when a kept one is
+// closer to it than v is. Compacts s.slot and s.dist in place, in their order; returns how many
+// stay. Each team computes one distance of a batch; the batch decides for the whole warp.
+template <typename T, int TEAM>
+__device__ int keep_uncovered(const T* __restrict__ x, const BuildArgs& args, const WarpScratch& s, int count,
+                              int lane) {
+  constexpr int kTeams = kWarpSize / TEAM;
+  const int team = lane / TEAM, rank = lane % TEAM;
+  warp_rank_sort(count, count, s.order, lane,
+                 [&](int j, int i) { return s.dist[j] < s.dist[i] || (s.dist[j] == s.dist[i] && j < i); });
+  int kept_count = 0;
+  for (int step = 0; step < count; ++step) {
+    const int j = s.order[step];
+    const int64_t a = s.slot[j];
+    const float d_va = s.dist[j];
+    bool covered = false;
+    for (int g0 = 0; g0 < kept_count && !covered; g0 += kTeams) {
+      const int g = g0 + team;
+      const bool valid = g < kept_count;
+      const int64_t b = valid ? s.slot[s.kept[g]] : a;
+      const float d_ab = row_distance<TEAM>(x, args, a, b, valid, rank);
+      covered = __any_sync(kFullMask, valid && d_ab < d_va);
+    }
+    if (!covered) {
+      if (lane == 0) s.kept[kept_count] = j;
+      ++kept_count;
+      __syncwarp();
+    }
+  }
+  for (int i = lane; i < count; i += kWarpSize) s.cmp[i] = 0;
+  __syncwarp();
+  for (int k = lane; k < kept_count; k += kWarpSize) s.cmp[s.kept[k]] = 1;
+  __syncwarp();
+  int stay = 0;
+  for (int base = 0; base < count; base += kWarpSize) {
+    const int j = base + lane;
+    const bool keep = j < count && s.cmp[j] != 0;
+    const uint32_t slot = keep ? s.slot[j] : 0u;
+    const float dist = keep ? s.dist[j] : 0.0f;
+    const unsigned mask = __ballot_sync(kFullMask, keep);
+    __syncwarp();  // every lane has read its entry before any writes: a write lands at or below its reader
+    if (keep) {
+      const int at = stay + __popc(mask & lanes_below(lane));
+      s.slot[at] = slot;
+      s.dist[at] = dist;
+    }
+    stay += __popc(mask);
+  }
+  __syncwarp();
+  return stay;
+}
+
 // Line 4 of Algorithm 3: S distinct neighbours, the CPU's draws (initial_neighbour; self and
-// repeats are dropped in draw order), after the entries of `init` where given, as old ones
-// (build_schedule.h, start_entries): the pool matches the CPU's slot for slot.
+// repeats are dropped in draw order), after the entries of `init` where given that the rule
+// keeps among themselves, as old ones (build_schedule.h, start_entries): the pool matches the
+// CPU's slot for slot.
 template <typename T, int TEAM>
 __global__ void __launch_bounds__(kBlockThreads)
     initialise_kernel(const T* __restrict__ x, DevicePools pools, BuildArgs args, int initial_degree,
@@ -208,7 +263,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   const WarpScratch s = warp_scratch(pools.capacity);
   for (int t = lane; t < initial_degree; t += kWarpSize) {
     const uint32_t r = random_u32(args.seed, Stream::kInitialNeighbours, static_cast<uint32_t>(v), 0, t);
-    s.key[t] = static_cast<uint32_t>(initial_neighbour(args.cells, v, t, initial_degree, r, args.n));
+    s.key[t] = static_cast<uint32_t>(initial_neighbour(args.cells, v, t, initial_degree, r, args.n, args.split));
   }
   // A candidate joins unless it is v, outside the data, or already in the pool; entries are
   // taken in order, 32 at a time, each behind the ones of lower lanes.
@@ -223,28 +278,36 @@ __global__ void __launch_bounds__(kBlockThreads)
     count += __popc(mask);
     __syncwarp();
   };
+  // d(v, u) of entries first to last of s.slot into s.dist (the teams' distances).
+  const auto distances = [&](int first, int last) {
+    for (int g0 = first; g0 < last; g0 += kTeams) {
+      const int g = g0 + team;
+      const bool valid = g < last;
+      const float d = row_distance<TEAM>(x, args, v, valid ? s.slot[g] : v, valid, rank);
+      if (valid && rank == 0) s.dist[g] = d;
+    }
+    __syncwarp();
+  };
   for (int base = 0; base < init_columns; base += kWarpSize) {
     const int c = base + lane;
     const int32_t u = c < init_columns ? init[v * init_columns + c] : -1;
     append(static_cast<uint32_t>(u), u >= 0);
   }
+  if (count > 0) {
+    distances(0, count);
+    count = keep_uncovered<T, TEAM>(x, args, s, count, lane);
+  }
   const int old_count = count;
-  __syncwarp();
   for (int base = 0; base < initial_degree; base += kWarpSize) {
     const int t = base + lane;
     append(t < initial_degree ? s.key[t] : 0u, t < initial_degree);
   }
+  distances(old_count, count);
   uint32_t* slot = pools.slots_of(0, v);
   float* dist = pools.dists_of(0, v);
-  for (int g0 = 0; g0 < count; g0 += kTeams) {
-    const int g = g0 + team;
-    const bool valid = g < count;
-    const int64_t u = valid ? s.slot[g] : v;
-    const float d = row_distance<TEAM>(x, args, v, u, valid, rank);
-    if (valid && rank == 0) {
-      slot[g] = pack_slot(static_cast<int32_t>(u), g >= old_count);
-      dist[g] = d;
-    }
+  for (int g = lane; g < count; g += kWarpSize) {
+    slot[g] = pack_slot(static_cast<int32_t>(s.slot[g]), g >= old_count);
+    dist[g] = s.dist[g];
   }
   if (lane == 0) *pools.count_of(0, v) = count;
 }
@@ -506,7 +569,7 @@ int64_t free_device_bytes(c10::DeviceIndex device) {
 at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_degree, int64_t pool_size,
                       int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
                       c10::string_view metric, int64_t seed, double delta, c10::string_view start,
-                      const c10::optional<at::Tensor>& init) {
+                      const c10::optional<at::Tensor>& init, int64_t init_split) {
   check_build_inputs(data);
   const c10::cuda::CUDAGuard guard(data.device());
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
@@ -565,6 +628,7 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
                        p.update_order,
                        p.seed,
                        cell_view(cells),
+                       start_split(init_split, n),
                        changes.data_ptr<int>()};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index());
   int graph_buffer = 0;
