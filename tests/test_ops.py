@@ -1,6 +1,5 @@
 """Op registration: opcheck, torch.compile, schema defaults, the Index API."""
 import dataclasses
-import inspect
 
 import pytest
 import torch

@@ -227,4 +227,3 @@ def _segment_edges_fake(dists, ids, **_):
 @torch.library.register_fake("grnnd::prune_rows")
 def _prune_rows_fake(data, vertices, candidates, degree, **_):
     return data.new_empty((vertices.shape[0], degree), dtype=torch.int32)
-
