@@ -7,11 +7,11 @@ be compared with every new entry), and its S draws come from the other graph's r
 cells of the union's hubs (``init_split``), as new ones: its own graph's rows were compared by
 its own build. The rounds compare only pairs with a new entry, so the work goes to the pairs
 that cross between the parts, and they stop when a round changes little, as a fresh build does.
-Starting from the rule's entries took a merge of clustered 10M x 128 halves from 61% to 48% of
-a fresh build's time and one of 1M real sentence embeddings from 63% to 48%, recall within
-0.0005 of the fresh build (one H100, benchmarks/README.md, "A merge starts from the rows'
-rule-kept entries"); a fixed cut of each row to its nearest 16 or 24 entries was as fast on the
-clustered rows but lost up to 0.018 recall on the embeddings.
+With half the build's draws, starting from the rule's entries took a merge of clustered 10M x
+128 halves from 61% to 48% of a fresh build's time and one of 1M real sentence embeddings from
+63% to 48%, recall within 0.0005 of the fresh build (one H100, benchmarks/README.md, "A merge
+starts from the rows' rule-kept entries"); a fixed cut of each row to its nearest 16 or 24
+entries was as fast on the clustered rows but lost up to 0.018 recall on the embeddings.
 
 A merge runs one outer iteration (its rounds, then reverse edges) unless told otherwise. Both
 graphs have been through their own reverse edges; what is missing is the edges between the
@@ -20,14 +20,14 @@ outer iteration that starts settled, took 12% to 29% more time for at most 0.001
 recall@10 at list 64 (one H100: clustered 2M and 4M x 128, 1M x 384; CPU: 100k real sentence
 embeddings, clustered and Zipf-sized clusters; benchmarks/README.md, updates).
 
-A merge draws half as many rows as a build (S = ``initial_degree // 2``) unless told otherwise.
-A row's pool keeps pool_size - S of its init entries, so fewer draws keep more of what each part
-already found, and the first rounds churn less: the first round changed 0.23 N x pool entries
-instead of 0.38 on clustered 10M x 128. One H100, each against a fresh build in the same run
-(a script not kept): clustered 10M x 128 68% -> 64% of the fresh build's time, recall 0.9941 ->
-0.9936 (fresh 0.9941); clustered 4M x 128 69% -> 64%, 0.9942 both (fresh 0.9948); 1M real
-sentence embeddings 78% -> 68%, 0.9711 -> 0.9710 (fresh 0.9707). Capping the rounds instead (4 of
-the 8) reached 51% and 47% on the clustered sets but lost 0.0056 recall on the embeddings.
+A merge draws as many rows as a build (S = ``initial_degree``) unless told otherwise. While
+its start held the fill's entries, half the draws saved time at equal recall; from the rule's
+entries, half the draws made clustered 10M x 128 halves merge in 48% of a fresh build's time
+instead of 60% (recall 0.9937 and 0.9944, fresh 0.9941; one H100), but lost recall where
+neighbourhoods are hard to find: on 100k anisotropic Gaussian rows (CPU) 0.917 against 0.9265
+with the full draws (fresh 0.929, d = 48) and 0.9371 against 0.9432 (fresh 0.9435, d = 96); on
+2M x 96 such rows (H100) 0.7207 against 0.7375 (fresh 0.7254, and the full draws 48% of its time).
+The merge keeps the recall; ``initial_degree=8`` trades it for time.
 """
 from typing import Any, Dict, Tuple
 
@@ -43,14 +43,11 @@ OUTER_ITERS = 1
 
 
 def schedule(params: BuildParams, settings: Dict[str, Any]) -> BuildParams:
-    """The build settings a merge runs with: ``params`` with one outer iteration and half the
-    draws, except where the caller's ``settings`` name ``outer_iters`` or ``initial_degree``."""
-    changes: Dict[str, Any] = {}
+    """The build settings a merge runs with: ``params`` with one outer iteration unless the
+    caller's ``settings`` name ``outer_iters``."""
     if settings.get("outer_iters") is None:
-        changes["outer_iters"] = OUTER_ITERS
-    if settings.get("initial_degree") is None:
-        changes["initial_degree"] = max(1, params.initial_degree // 2)
-    return params.replace(**changes) if changes else params
+        return params.replace(outer_iters=OUTER_ITERS)
+    return params
 
 
 def merge_graphs(data_a: Tensor, graph_a: Tensor, data_b: Tensor, graph_b: Tensor, params: BuildParams,
