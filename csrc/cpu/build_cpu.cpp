@@ -115,6 +115,47 @@ class Pools {
   std::unique_ptr<std::atomic<uint8_t>[]> locks_;
 };
 
+// The distinct entries of `row` (columns ids, -1 padded) other than v, in row order, that the
+// rule keeps among themselves, with their distances to v: walked nearest first, an entry goes
+// when a kept one is closer to it than v is. The twin of keep_uncovered in build_cuda.cu.
+void keep_uncovered(const VectorSet& vectors, int64_t n, int64_t v, const int32_t* row, int64_t columns,
+                    std::vector<int32_t>& ids, std::vector<float>& dists) {
+  thread_local std::vector<int> order, kept;
+  thread_local std::vector<char> keep;
+  ids.clear();
+  dists.clear();
+  for (int64_t c = 0; c < columns; ++c) {
+    const int32_t u = row[c];
+    if (u < 0 || u >= n || u == v || std::find(ids.begin(), ids.end(), u) != ids.end()) continue;
+    ids.push_back(u);
+    dists.push_back(vectors(v, u));
+  }
+  const int count = static_cast<int>(ids.size());
+  order.resize(count);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return dists[a] < dists[b] || (dists[a] == dists[b] && a < b); });
+  keep.assign(count, 0);
+  kept.clear();
+  for (const int j : order) {
+    const bool covered = std::any_of(kept.begin(), kept.end(),
+                                     [&](int i) { return vectors(ids[i], ids[j]) < dists[j]; });
+    if (!covered) {
+      kept.push_back(j);
+      keep[j] = 1;
+    }
+  }
+  int stay = 0;
+  for (int j = 0; j < count; ++j) {
+    if (!keep[j]) continue;
+    ids[stay] = ids[j];
+    dists[stay] = dists[j];
+    ++stay;
+  }
+  ids.resize(stay);
+  dists.resize(stay);
+}
+
 // Line 4 of Algorithm 3: S random distinct neighbours (self and repeats are dropped, so a
 // vertex may start with slightly fewer), drawn where start_cell (params.h, hubs.h) says; after
 // the entries of `init` where given that the rule keeps among themselves, as old ones
@@ -129,39 +170,8 @@ void initialise(const VectorSet& vectors, int64_t n, const BuildParams& p, const
     if (columns > 0) {
       thread_local std::vector<int32_t> ids;
       thread_local std::vector<float> dists;
-      thread_local std::vector<int> order, kept;
-      thread_local std::vector<char> keep;
-      ids.clear();
-      dists.clear();
-      for (int64_t c = 0; c < columns; ++c) {
-        const int32_t u = start[v * columns + c];
-        if (u < 0 || u >= n || u == v || std::find(ids.begin(), ids.end(), u) != ids.end()) continue;
-        ids.push_back(u);
-        dists.push_back(vectors(v, u));
-      }
-      const int count = static_cast<int>(ids.size());
-      order.resize(count);
-      std::iota(order.begin(), order.end(), 0);
-      std::sort(order.begin(), order.end(),
-                [&](int a, int b) { return dists[a] < dists[b] || (dists[a] == dists[b] && a < b); });
-      keep.assign(count, 0);
-      kept.clear();
-      for (const int j : order) {
-        bool covered = false;
-        for (const int i : kept) {
-          if (vectors(ids[i], ids[j]) < dists[j]) {
-            covered = true;
-            break;
-          }
-        }
-        if (!covered) {
-          kept.push_back(j);
-          keep[j] = 1;
-        }
-      }
-      for (int j = 0; j < count; ++j) {
-        if (keep[j]) pools.insert(0, v, ids[j], dists[j], false);
-      }
+      keep_uncovered(vectors, n, v, start + v * columns, columns, ids, dists);
+      for (size_t j = 0; j < ids.size(); ++j) pools.insert(0, v, ids[j], dists[j], false);
     }
     for (int s = 0; s < p.initial_degree; ++s) {
       const uint32_t r = random_u32(p.seed, Stream::kInitialNeighbours, static_cast<uint32_t>(v), 0, s);
