@@ -6,7 +6,7 @@
     python benchmarks/bench_out_of_core.py --sets blobs:100000000x96 --budget free --skip-in-memory \
         --queries 10000 --name 100m
 
-Clustered float16 rows as bench_scale.py makes them (blobs, zipf), moved to pinned host memory
+Float16 rows as bench_scale.py makes them (blobs, zipf, aniso), moved to pinned host memory
 (`--source pinned`) or saved to an .npy file under --scratch and memory-mapped (`--source npy`:
 `np.load(mmap_mode="c")`, rows gathered on the host into a pinned staging buffer; the file was
 just written, so its pages are in the page cache unless memory ran short).
@@ -165,7 +165,7 @@ def main():
         json.dump({"machine": m, "rows": rows}, f, indent=1)
     lines = [f"# Out-of-core build against the in-memory build, {torch.cuda.get_device_name()}", "",
              f"Machine: {machine_line(m)}. `python benchmarks/bench_out_of_core.py {' '.join(sys.argv[1:])}`; "
-             f"float16 clustered rows {SOURCES[args.source]}; recall@10 at list {LIST} "
+             f"float16 rows (bench_scale.py's families) {SOURCES[args.source]}; recall@10 at list {LIST} "
              f"(GPU search, {args.queries} queries, exact neighbours from grnnd.knn).", "",
              "| set | budget | in-memory s | recall | out-of-core s (of it joining) | ratio (x) | recall | "
              "shards | shared rows | peak GPU GiB | peak host GiB | reachable | min degree |",

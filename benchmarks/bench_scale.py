@@ -9,7 +9,10 @@ Data families, made on the GPU in float16, with 1000 held-out queries drawn the 
          the generator of benchmarks/bench_gpu.py: each cluster holds about 1000 rows at any N,
          so only the number of clusters grows;
   zipf   N / 1000 clusters whose sizes fall as 1 / rank: a few huge ones and many of a few
-         rows, as real collections are.
+         rows, as real collections are;
+  aniso  no clusters: independent Gaussian coordinates whose scales fall geometrically from 1
+         to 10^-1.5 across the dimensions (one cluster label for all rows), where the hubs'
+         cells say little and neighbourhoods are hard to find.
 For each set and build configuration (build settings as "name=value,..."; "" = the defaults):
 build time (CUDA events), rounds run and the pool entries each changed, the out-degree
 summary, the share of rows a search cannot reach from the hubs (breadth-first search), and
@@ -62,12 +65,16 @@ def make_set(family: str, n: int, d: int, seed: int = 0, chunk: int = 1 << 20, w
     elif family == "zipf":
         weights = 1.0 / torch.arange(1, clusters + 1, device="cuda", dtype=torch.float64)
         labels = torch.multinomial(weights.float(), total, replacement=True, generator=g)
+    elif family == "aniso":
+        labels = torch.zeros(total, dtype=torch.int64, device="cuda")
+        centres = torch.zeros(1, d, device="cuda")
     else:
         raise ValueError(f"unknown family {family!r}")
+    scales = torch.logspace(0, -1.5, d, device="cuda") if family == "aniso" else 1.0
     x = torch.empty(total, d, dtype=torch.float16, device="cuda")
     for start in range(0, total, chunk):
         end = min(total, start + chunk)
-        noise = torch.randn(end - start, d, generator=g, device="cuda")
+        noise = torch.randn(end - start, d, generator=g, device="cuda") * scales
         x[start:end] = (centres[labels[start:end]] + noise).half()
     if want_labels:
         return x[:n], x[n:], labels[:n], labels[n:]
