@@ -22,7 +22,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import resource
 import sys
 import time
@@ -86,9 +85,9 @@ def measure(family: str, n: int, d: int, budget: str, queries: int, in_memory: b
     rows = bytes_free // out_of_core.bytes_per_row(d, host.element_size(), params)
     plan = out_of_core.plan_shards(host, rows, "l2", torch.device("cuda"), params.seed)
     shards, shared = len(plan.members), float((plan.secondary >= 0).float().mean())
+    shard_rows = sum(m.numel() for m in plan.members)  # progress counts rows: the shards' then the joined ones
     del plan
     steps = []
-    stages = _StageLog()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -96,7 +95,7 @@ def measure(family: str, n: int, d: int, budget: str, queries: int, in_memory: b
     graph = grnnd.build(host, device="cuda", max_gpu_memory=max_memory,
                         progress=lambda done, total: steps.append((done, total, time.perf_counter() - start)))
     sharded_s = time.perf_counter() - start
-    stages.close()
+    shards_done = next(t for done, _, t in steps if done >= shard_rows)
     peak_gpu = torch.cuda.max_memory_allocated() - before
     base = host.cuda()
     del host
@@ -112,32 +111,13 @@ def measure(family: str, n: int, d: int, budget: str, queries: int, in_memory: b
            "out_of_core_s": sharded_s, "out_of_core_recall": sharded_recall,
            "ratio": sharded_s / whole_s if whole_s else None, "queries": int(queries.shape[0]),
            "shards": shards, "shared_rows": shared, "steps": steps,
-           "joins_s": stages.joining_s,
+           "shards_done_s": shards_done, "joins_s": steps[-1][2] - shards_done,
            "peak_gpu_bytes": peak_gpu, "peak_host_gib": peak_host_gib(), "reachable": reached,
            "degree_min": min(int((rows >= 0).sum(1).min()) for rows in graph.split(1 << 22))}
     print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
     del base, graph
     torch.cuda.empty_cache()
     return row
-
-
-class _StageLog(logging.Handler):
-    """The time the build spent joining shared rows, read from its log (the joins run between
-    the shards' builds, so progress does not tell them apart)."""
-
-    def __init__(self):
-        super().__init__()
-        self.joining_s = float("nan")
-        logging.getLogger(out_of_core.__name__).addHandler(self)
-
-    def emit(self, record):
-        found = re.search(r"\(([0-9.]+) s of it joining\)", record.getMessage())
-        if found:
-            self.joining_s = float(found.group(1))
-
-    def close(self):
-        logging.getLogger(out_of_core.__name__).removeHandler(self)
-        super().close()
 
 
 def _or_dash(value, fmt: str) -> str:
@@ -167,13 +147,14 @@ def main():
              f"Machine: {machine_line(m)}. `python benchmarks/bench_out_of_core.py {' '.join(sys.argv[1:])}`; "
              f"float16 rows (bench_scale.py's families) {SOURCES[args.source]}; recall@10 at list {LIST} "
              f"(GPU search, {args.queries} queries, exact neighbours from grnnd.knn).", "",
-             "| set | budget | in-memory s | recall | out-of-core s (of it joining) | ratio (x) | recall | "
+             "| set | budget | in-memory s | recall | out-of-core s (plan + shards, joins) | ratio (x) | recall | "
              "shards | shared rows | peak GPU GiB | peak host GiB | reachable | min degree |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['set']} | {r['budget']} | {_or_dash(r['in_memory_s'], '.2f')} | "
-                     f"{_or_dash(r['in_memory_recall'], '.4f')} | {r['out_of_core_s']:.2f} ({r['joins_s']:.1f}) | "
-                     f"{_or_dash(r['ratio'], '.2f')} | {r['out_of_core_recall']:.4f} | {r['shards']} | "
+                     f"{_or_dash(r['in_memory_recall'], '.4f')} | {r['out_of_core_s']:.2f} ({r['shards_done_s']:.1f}, "
+                     f"{r['joins_s']:.1f}) | {_or_dash(r['ratio'], '.2f')} | {r['out_of_core_recall']:.4f} | "
+                     f"{r['shards']} | "
                      f"{r['shared_rows']:.2f} | {r['peak_gpu_bytes'] / 2**30:.2f} | {r['peak_host_gib']:.1f} | "
                      f"{r['reachable']:.6f} | {r['degree_min']} |")
     with open(stem + ".md", "w") as f:

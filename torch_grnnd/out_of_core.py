@@ -8,11 +8,10 @@ shard is copied in (pinned host rows read by the GPU where they lie; other rows 
 host by a worker thread while the device builds the previous shard), built by the ordinary
 build, and its rows stored on the host with global ids.
 A row of two shards then has two rows, each pruned within its own shard; they are joined by
-the build's rule (``prune_rows``), which gives the edges that cross between shards. A row is
-joined as soon as its second shard is built, while that shard's rows are still on the device:
-the shared rows go in chunks, each reading the rows its two rows name, from the shard where it
-holds them and copied in only where it does not. Rows of one shard keep the row its build gave
-them.
+the build's rule (``prune_rows``), which gives the edges that cross between shards. A join
+needs only the rows it reads: the shared rows go in chunks, each with the rows its two rows name
+copied in (as many as the budget holds), not the two shards. Rows of one shard keep the row its
+build gave them.
 
 Shards alone leave a walk no way between distant regions (no shard holds both ends of such an
 edge), so the centres, which include the search's hubs and sit in every shard, also get a graph
@@ -58,9 +57,6 @@ JOIN_CHUNK_ROWS = 1 << 19
 # Device bytes a join takes per candidate beside the rows it reads: the int64 copies of the ids
 # that _join and prune_rows make (mapped to the chunk, packed, sorted), about seven.
 JOIN_BYTES_PER_CANDIDATE = 56
-# Copies of a row a join chunk may hold at once: its place among the rows the chunk reads, and
-# the gathered rows on their way there (from the shard on the device or from data).
-JOIN_ROW_COPIES = 2
 # Rows a staged copy gathers on the host at once (64 MiB of them): the worker gathers the next
 # block while the previous one is copied to the device.
 STAGE_BLOCK_BYTES = 1 << 26
@@ -87,19 +83,13 @@ def bytes_per_row(dim: int, element_size: int, p: BuildParams) -> int:
     return 2 * dim * max(element_size, 2) + 2 * p.pool_size * 8 + 16 + 12 + 2 * p.degree * 4
 
 
-def join_capacity(budget: int, n: int, dim: int, element_size: int, p: BuildParams, resident: int) -> int:
-    """Rows a join chunk may read within ``budget`` while the ``resident`` rows of the shard just
-    built stay on the device: what is left once they, the largest chunk's candidates and the mark
-    per row are set aside, each row read held twice (JOIN_ROW_COPIES); at least what the shard's
-    build used beyond its rows allows. The more fit, the more the chunks' rows overlap: 10M x
-    1024 in 8 GB read 160M rows for 8.85M joined at 1.5M, 113M at 2.5M (one H100)."""
-    row = dim * element_size
-    spare = budget - (n + 1) - JOIN_CHUNK_ROWS * 2 * p.degree * JOIN_BYTES_PER_CANDIDATE - resident * row
-    # A chunk of capacity rows joins at most capacity // 4 (_join_chunks), each with its
-    # 2 x degree candidates, in the memory the build's pools and graph took.
-    freed = resident * (bytes_per_row(dim, element_size, p) - row) - (n + 1)
-    least = freed // (JOIN_ROW_COPIES * row + 2 * p.degree * JOIN_BYTES_PER_CANDIDATE // 4)
-    return min(n, max(1, least, spare // (JOIN_ROW_COPIES * row)))
+def join_capacity(budget: int, n: int, dim: int, element_size: int, p: BuildParams, rows_per_shard: int) -> int:
+    """Rows a join chunk may read within ``budget``: the rows alone, once the largest chunk's
+    candidates and the mark per row are set aside; at least what a shard holds. Joins read the
+    rows their chunk names, so the more fit, the more the chunks' rows overlap: 10M x 1024
+    in 8 GB read 160M rows for 8.85M joined at the shards' 1.5M, 113M at twice that (one H100)."""
+    spare = budget - (n + 1) - JOIN_CHUNK_ROWS * 2 * p.degree * JOIN_BYTES_PER_CANDIDATE
+    return min(n, max(rows_per_shard, spare // (dim * element_size)))
 
 
 def free_bytes(device: torch.device) -> int:
@@ -227,10 +217,8 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
             slot[shared_rows] = torch.arange(shared_rows.numel())
             second_graph = torch.full((shared_rows.numel(), params.degree), -1, dtype=torch.int32)
             total = sum(m.numel() for m in members) + shared_rows.numel()
-            done, joining = 0, 0.0
+            done = 0
             shards = ((ids, s) for s, ids in enumerate(members))
-            # Shards are built in order, so a shared row is joined after the later of its two.
-            joined_after = torch.maximum(primary, secondary)[shared_rows]
             # A shard's rows are stored on the host by a thread of their own while the next shard
             # builds (10M x 1024 within 8 GB on an H100: 42.8 s against 45.5 s storing in turn).
             with concurrent.futures.ThreadPoolExecutor(max_workers=1) as storer:
@@ -239,32 +227,26 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
                     if done == 0:
                         logger.info("out-of-core build: skeleton of %d rows and staging buffer ready after %.2f s "
                                     "more", centre_ids.numel(), time.perf_counter() - started)
-                    ids = ids.to(device)
-                    built = _build_shard(rows, ids, s, primary, centre_ids, skeleton, params, metric)
+                    built = _build_shard(rows, ids.to(device), s, primary, centre_ids, skeleton, params, metric)
+                    del rows
                     if stored is not None:
                         stored.result()  # one shard's rows waiting on the host at most
                     stored = storer.submit(_store_shard, built, ids.cpu(), s, primary, secondary, graph,
                                            second_graph, slot)
                     done += ids.numel()
                     report(done, total)
-                    here = shared_rows[joined_after == s]
-                    if here.numel() > 0:
-                        stored.result()  # both rows of each row joined here are on the host
-                        join_started = time.perf_counter()
-                        capacity = join_capacity(budget, n, dim, data.element_size(), params, ids.numel())
-                        for part, candidates, needed in _join_chunks(here, graph, second_graph, slot, capacity,
-                                                                     device):
-                            read = _read_for_join(loader, needed, rows, ids)
-                            graph[part] = _join(read, needed, part.to(device), candidates, params, metric)
-                            done += part.numel()
-                            report(done, total)
-                        joining += time.perf_counter() - join_started
-                    del rows
                 if stored is not None:
                     stored.result()
-            logger.info("out-of-core build: %d shards built and %d shared rows joined after %.2f s more "
-                        "(%.2f s of it joining)", len(members), shared_rows.numel(), time.perf_counter() - started,
-                        joining)
+            logger.info("out-of-core build: %d shards built after %.2f s more", len(members),
+                        time.perf_counter() - started)
+            started = time.perf_counter()
+            capacity = join_capacity(budget, n, dim, data.element_size(), params, rows_per_shard)
+            for part, candidates, needed in _join_chunks(shared_rows, graph, second_graph, slot, capacity, device):
+                graph[part] = _join(loader.rows(needed), needed, part.to(device), candidates, params, metric)
+                done += part.numel()
+                report(done, total)
+            logger.info("out-of-core build: %d shared rows joined in %.2f s", shared_rows.numel(),
+                        time.perf_counter() - started)
         finally:
             close()
     return graph.to(data.device)
@@ -344,8 +326,7 @@ class _RowLoader:
     on the host into one pinned buffer of ``capacity`` rows, so the copies run at full speed and
     nothing is pinned anew each step (the worker pins it while the caller goes on). In
     :meth:`stream`, the next batch is formed, and its rows gathered on the host where they must
-    be, by the worker while the device works on the current one; :meth:`rows` gathers in blocks
-    through two pinned blocks of its own (a join reads rows while the next shard is gathered),
+    be, by the worker while the device works on the current one; :meth:`rows` gathers in blocks,
     the worker gathering one while the previous one is copied."""
 
     def __init__(self, data: Tensor, capacity: int, device: torch.device,
@@ -354,14 +335,11 @@ class _RowLoader:
         host_to_gpu = device.type == "cuda" and data.device.type == "cpu"
         self.direct = host_to_gpu and data.is_contiguous() and data.is_pinned()
         self.staged = host_to_gpu and not self.direct
-        self.buffer = worker.submit(self._pin, self.capacity) if self.staged else None
-        self.copied: Optional[torch.cuda.Event] = None  # the buffer's last copy to the device
-        self.block = max(1, min(self.capacity // 2, STAGE_BLOCK_BYTES // max(1, data.shape[1] * data.element_size())))
-        self.blocks: Optional[Tensor] = None  # rows()'s two blocks, pinned at its first call
-        self.blocks_copied: List[Optional[torch.cuda.Event]] = [None, None]
+        self.buffer = worker.submit(self._pin) if self.staged else None
+        self.copied: Optional[torch.cuda.Event] = None
 
-    def _pin(self, rows: int) -> Tensor:
-        return torch.empty(rows, self.data.shape[1], dtype=self.data.dtype, pin_memory=True)
+    def _pin(self) -> Tensor:
+        return torch.empty(self.capacity, self.data.shape[1], dtype=self.data.dtype, pin_memory=True)
 
     def _gather(self, ids: Tensor) -> Tensor:
         """The rows ``ids`` where data is (in the pinned buffer for a host-to-GPU copy)."""
@@ -381,21 +359,22 @@ class _RowLoader:
         return rows
 
     def rows(self, ids: Tensor) -> Tensor:
-        """The rows ``ids`` (any number) on the device, also while a :meth:`stream` is read."""
+        """The rows ``ids`` (any number) on the device. Not while a :meth:`stream` is read: both
+        gather into the one buffer."""
         if self.direct:
             return torch.ops.grnnd.gather_rows(self.data, ids.to(self.device))
         if not self.staged:
             return self.data[ids.to(self.data.device)].to(self.device)
-        # Blocks go through the two pinned blocks in turn: the worker gathers a block into one
-        # once its last copy is done, while the other is being copied (10M x 1024 in 8 GB from a
-        # memory-mapped file, one H100: the joins took 24.2 s when each chunk was gathered whole
-        # and then copied).
+        # Blocks go through the buffer's two halves in turn: the worker gathers a block into one
+        # half once that half's last copy is done, while the other half is being copied (10M x
+        # 1024 in 8 GB from a memory-mapped file, one H100: the joins took 24.2 s when each chunk
+        # was gathered whole and then copied).
         ids = ids.cpu()
         out = torch.empty(ids.numel(), self.data.shape[1], dtype=self.data.dtype, device=self.device)
-        if self.blocks is None:
-            self.blocks = self._pin(2 * self.block)
-        block, copied = self.block, self.blocks_copied
-        halves = (self.blocks[:block], self.blocks[block:])
+        buffer = self.buffer.result()
+        block = max(1, min(buffer.shape[0] // 2, STAGE_BLOCK_BYTES // (self.data.shape[1] * self.data.element_size())))
+        halves = (buffer[:block], buffer[block:2 * block])
+        copied: List[Optional[torch.cuda.Event]] = [self.copied, self.copied]
 
         def gather(start: int, half: int) -> Tensor:
             if copied[half] is not None:
@@ -409,8 +388,8 @@ class _RowLoader:
             if start + block < ids.numel():
                 pending = self.worker.submit(gather, start + block, (i + 1) % 2)
             out[start:start + host.shape[0]].copy_(host, non_blocking=True)
-            copied[i % 2] = torch.cuda.Event()
-            copied[i % 2].record()
+            copied[i % 2] = self.copied = torch.cuda.Event()
+            self.copied.record()  # after every copy before it: the whole buffer is free once it is done
         return out
 
     def stream(self, batches: Iterator[Tuple[Tensor, Any]]) -> Iterator[Tuple[Tensor, Tensor, Any]]:
@@ -437,21 +416,6 @@ class _RowLoader:
                 yield rows, ids, payload
         finally:
             pending.cancel()
-
-
-def _read_for_join(loader: "_RowLoader", needed: Tensor, shard_rows: Tensor, shard_ids: Tensor) -> Tensor:
-    """The rows ``needed`` (ascending ids, on the device) on the device: those of the shard still
-    there (``shard_rows``, of the ascending ``shard_ids``) copied on the device, only the others
-    read from the data. The later shard of a shared row holds that row's entries there, and its
-    cluster mates shared with it, whose rows name much the same rows."""
-    at = torch.searchsorted(shard_ids, needed).clamp_max(shard_ids.numel() - 1)
-    held = shard_ids[at] == needed
-    out = torch.empty(needed.numel(), shard_rows.shape[1], dtype=shard_rows.dtype, device=shard_rows.device)
-    out[held] = shard_rows[at[held]]
-    elsewhere = (~held).nonzero().flatten()
-    if elsewhere.numel() > 0:
-        out[elsewhere] = loader.rows(needed[elsewhere])
-    return out
 
 
 def _join(rows: Tensor, needed: Tensor, part: Tensor, candidates: Tensor, params: BuildParams,
