@@ -88,7 +88,6 @@ def test_a_build_started_from_its_own_graph_keeps_it(halves, device):
     assert grnnd.build(data, init=junk).shape == (5000, grnnd.BuildParams().degree)
 
 
-@pytest.mark.cuda
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [4000, 40_000])  # random draws; draws from the cells of 40 hubs
 def test_a_merge_draws_from_the_other_graph(device, rows):
@@ -107,6 +106,7 @@ def test_a_merge_draws_from_the_other_graph(device, rows):
             grnnd.build(data, init=empty, init_split=bad, **settings)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_pools_start_as_on_the_cpu(halves):
     # One round without reverse edges from the same start: CPU and CUDA pools hold the same

@@ -340,8 +340,8 @@ def merge(a: Index, b: Index, *, progress: Progress = False, **settings: Any) ->
     either: the union's graph starts from both graphs and the build's rounds find the edges
     between them (:mod:`torch_grnnd.merging`). ``settings``: fields of
     :class:`~torch_grnnd.BuildParams` over ``a``'s (a merge runs one outer iteration,
-    :data:`torch_grnnd.merging.OUTER_ITERS`, unless they name ``outer_iters``). User ids and tombstones are kept; both
-    indexes must have ids or neither, and no id may be in both."""
+    :data:`torch_grnnd.merging.OUTER_ITERS`, unless they name ``outer_iters``). User ids and
+    tombstones are kept; both indexes must have ids or neither, and no id may be in both."""
     if not isinstance(a, Index) or not isinstance(b, Index):
         raise TypeError(f"merge: expected two Index objects, got {type(a).__name__} and {type(b).__name__}")
     if a.metric != b.metric:
@@ -365,4 +365,3 @@ def merge(a: Index, b: Index, *, progress: Progress = False, **settings: Any) ->
     data, graph = merging.merge_graphs(a.data, a.graph, b.data, b.graph, merging.schedule(params, settings), a.metric,
                                        progress)
     return Index(data, graph, a.metric, params, ids=ids, removed=removed)
-

@@ -42,8 +42,9 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
         init: optional int32 [N, c] neighbours each row starts with (a graph over the same rows,
             -1 padded). Of each row's entries those the relative-neighbourhood rule keeps among
             themselves are taken as already compared (a built row's fill entries go): the rounds
-            then spend their distances on the pairs the S draws bring in. :func:`torch_grnnd.merge` starts from the two graphs it
-            merges. At most ``pool_size - S`` columns are used.
+            then spend their distances on the pairs the S draws bring in.
+            :func:`torch_grnnd.merge` starts from the two graphs it merges. At most
+            ``pool_size - S`` columns are used.
         init_split: with ``init`` holding two graphs, rows ``[0, init_split)`` and
             ``[init_split, N)`` (a merge), each row draws its S from the other graph's rows:
             its own were compared by its own build. 0 (the default): draws from all rows.
