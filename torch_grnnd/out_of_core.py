@@ -2,11 +2,12 @@
 
 A build needs its rows and 2 x N x pool_size x 8 bytes of pools on the device at once. When
 that exceeds the budget, the rows are split into shards that fit, with DiskANN's overlap: the
-data is cut into cells around sampled rows (the centres), cells are grouped into spatially
-coherent shards, and a row whose two nearest cells lie in two shards belongs to both. Each
-shard is copied in (pinned host rows read by the GPU where they lie; other rows gathered on the
-host by a worker thread while the device builds the previous shard), built by the ordinary
-build, and its rows stored on the host with global ids.
+data is cut into cells (k-means on a sample), cells are grouped into spatially coherent shards,
+and a row whose two nearest cells lie in two shards belongs to both when it lies near enough to
+the border between them that neighbours may lie across it (:func:`share_margin`). Each shard is
+copied in (pinned host rows read by the GPU where they lie; other rows gathered on the host by a
+worker thread while the device builds the previous shard), built by the ordinary build, and its
+rows stored on the host with global ids.
 A row of two shards then has two rows, each pruned within its own shard; they are joined by
 the build's rule (``prune_rows``), which gives the edges that cross between shards. A join
 needs only the rows it reads: the shared rows go in chunks, each with the rows its two rows name
@@ -17,6 +18,12 @@ Shards alone leave a walk no way between distant regions (no shard holds both en
 edge), so the centres, which include the search's hubs and sit in every shard, also get a graph
 of their own, the skeleton, joined into their rows: a search enters at the hubs and crosses
 regions along it, as through the top layer of HNSW.
+
+Cells around sampled rows, with every row of two shards shared, built 18.9M rows for 10M
+clustered rows x 1024 (89% shared; 41.8-42.5 s against 10.4 s in memory, recall 0.9846 against
+0.9807, 8 GB, one H100): those cells cut the clusters apart, so every row lay near a border.
+K-means cells follow the clusters, and 31% of the rows were shared: 27.3 s against 10.6 s,
+recall 0.9771 (benchmarks/README.md, "K-means cells").
 
 The result is one graph over all rows, on the host (or wherever ``data`` is), searched as any
 other: a graph of 100M rows is 19.2 GB of int32 at the default degree 48.
@@ -37,18 +44,40 @@ from .progress import Progress, steps_reporter
 
 logger = logging.getLogger(__name__)
 
-# Cells per shard: finer cells make shard borders follow the data more closely. Their centres
-# (with the search's hubs) also get a graph of their own, the skeleton: without it 13 shards of
-# 20k x 64 clustered rows recalled 0.914 instead of 1.0 at list 64 with rows as close to the true
-# neighbours as the whole build's: the walk found no way between regions.
+# Cells per shard: finer cells make shard borders follow the data more closely.
 CELLS_PER_SHARD = 32
-# A row also joins the shard of the nearest of its this many nearest cells that lies in another
-# shard. Clustered rows (30k x 32 and 20k x 64, 4 and 20 shards, CPU), recall@10 at list 64
-# against 0.9995 / 0.999 for the whole build: 1 (no shared rows) 0.93-0.91 / 0.95-0.92;
-# 2: 0.9997-0.9996 / 0.999-0.997 with 37-42% of the rows shared; 4: no better, 72% shared.
-NEAREST_CELLS = 2
-# Shards are planned at this share of the rows that fit, leaving room for the rows they share.
+# The centres (sampled rows, with the search's hubs) are in every shard and get a graph of their
+# own, the skeleton: without it 13 shards of 20k x 64 clustered rows recalled 0.914 instead of
+# 1.0 at list 64 with rows as close to the true neighbours as the whole build's: the walk found
+# no way between regions. Once only rows near a border are shared, the skeleton is most of what
+# joins the shards, so there are at least CENTRES_PER_CELL per cell and one per ROWS_PER_CENTRE
+# rows, at most a quarter of a shard. Clustered rows, recall@10 at list 64 of queries whose
+# cluster holds no hub (the search enters at hubs) against 0.9866 for the whole build: 1M x 1024
+# in 8 shards (H100), 0.8426 with 2791 centres (four per cell), 0.9845 with 8163; at list 16,
+# 20k x 64 in 5 and 13 shards (CPU), all queries: 0.890 and 0.984 with one centre per cell,
+# 0.996 and 0.997 with four, as when half the rows were shared.
+CENTRES_PER_CELL = 4
+ROWS_PER_CENTRE = 128
+# Shards are planned at most at this share of the rows that fit, leaving room for the rows they share.
 PRIMARY_SHARE = 0.5
+# The cells are k-means centroids: Lloyd's iterations on this many sampled rows per cell, starting
+# from sampled rows. Cells around sampled rows cut clusters apart: on 200k x 128 rows in 200
+# clusters (CPU), 73% of a row's true 10-NN lay in its own cell around sampled rows and 97% in its
+# own k-means cell, and the rows near a border (share_margin) fell from 60% to 11%.
+TRAIN_ROWS_PER_CELL = 64
+LLOYD_ITERS = 8
+# A row may also join the shard of its second-nearest cell. Sharing every such row (clustered
+# rows, 30k x 32 and 20k x 64, 4 and 20 shards, CPU; recall@10 at list 64 against 0.9995 / 0.999
+# for the whole build): with no shared rows 0.93-0.91 / 0.95-0.92; with the second cell
+# 0.9997-0.9996 / 0.999-0.997, 37-42% of the rows shared; with the nearest other of four cells no
+# better, 72% shared. Now only a row near the border is shared: PROBES rows' exact
+# PROBE_NEIGHBOURS nearest neighbours (among all rows) show how near the border neighbours still
+# cross it, and the shared rows cover SHARE_COVERAGE of those crossings (share_margin).
+PROBES = 1024
+PROBE_NEIGHBOURS = 10
+SHARE_COVERAGE = 0.99
+# Shards are planned to hold this share of the rows that fit: shard sizes vary with the cells.
+SHARD_FILL = 0.9
 # Rows whose nearest cells are found in one pass over the device, and their scores (256 MiB).
 ASSIGN_CHUNK_ROWS = 1 << 18
 ASSIGN_CHUNK_SCORES = 1 << 26
@@ -105,16 +134,64 @@ def _prepared(rows: Tensor, metric: str) -> Tensor:
     return torch.nn.functional.normalize(rows, dim=1) if metric == "cosine" else rows
 
 
-def _nearest_cells(data: Tensor, centres: Tensor, k: int, metric: str, device: torch.device) -> Tensor:
-    """int32 [N, k]: each row's k nearest centres (squared l2 on prepared rows), nearest first."""
-    out = torch.empty(data.shape[0], k, dtype=torch.int32)
-    centre_norms = centres.pow(2).sum(1)
-    chunk = max(1, min(ASSIGN_CHUNK_ROWS, ASSIGN_CHUNK_SCORES // centres.shape[0]))
-    for start in range(0, data.shape[0], chunk):
+def _centroids(train: Tensor, cells: int) -> Tensor:
+    """float32 [cells, D]: k-means centroids of ``train`` (prepared rows on the device), starting
+    from its first ``cells`` rows; a cell that loses all its rows keeps its centroid. Sums go
+    through a matrix product, not atomic adds, so the plan is the same from run to run."""
+    centroids = train[:cells].clone()
+    for _ in range(LLOYD_ITERS):
+        nearest = torch.addmm(centroids.pow(2).sum(1), train, centroids.t(), alpha=-2).argmin(1)
+        assign = torch.nn.functional.one_hot(nearest, cells).to(train.dtype)
+        counts = assign.sum(0).unsqueeze(1)
+        centroids = torch.where(counts > 0, (assign.t() @ train) / counts.clamp_min(1), centroids)
+    return centroids
+
+
+class _Nearness(NamedTuple):
+    cells: Tensor       # int64 [N, 2]: each row's nearest and second-nearest cell
+    margin: Tensor      # float32 [N]: how far each row lies from the border of those two cells
+    neighbours: Tensor  # int64 [P, PROBE_NEIGHBOURS]: the probes' exact nearest rows, nearest first
+
+
+def _nearness(data: Tensor, centroids: Tensor, probes: Tensor, metric: str, device: torch.device) -> _Nearness:
+    """One pass over the rows (squared l2 on prepared rows, see :class:`_Nearness`). The margin is
+    the distance from the row to the hyperplane halfway between its two cells' centroids."""
+    n, cells = data.shape[0], centroids.shape[0]
+    nearest = torch.empty(n, 2, dtype=torch.int64)
+    margin = torch.empty(n, dtype=torch.float32)
+    centroid_norms = centroids.pow(2).sum(1)
+    spacing = torch.cdist(centroids, centroids)
+    probe_rows = _prepared(data[probes.to(data.device)].to(device), metric)
+    k = min(PROBE_NEIGHBOURS + 1, n)  # the probe itself is among the rows
+    # Per probe, |row|^2 - 2 <probe, row> ranks rows as their distance to it does.
+    best = torch.empty(probes.numel(), 0, device=device)
+    best_ids = torch.empty(probes.numel(), 0, dtype=torch.int64, device=device)
+    chunk = max(1, min(ASSIGN_CHUNK_ROWS, ASSIGN_CHUNK_SCORES // (cells + probes.numel())))
+    for start in range(0, n, chunk):
         rows = _prepared(data[start:start + chunk].to(device, non_blocking=True), metric)
-        scores = torch.addmm(centre_norms, rows, centres.t(), alpha=-2)
-        out[start:start + rows.shape[0]] = scores.topk(k, dim=1, largest=False).indices.int().cpu()
-    return out
+        scores, ids = torch.addmm(centroid_norms, rows, centroids.t(), alpha=-2).topk(2, dim=1, largest=False)
+        gap = spacing[ids[:, 0], ids[:, 1]].clamp_min(1e-30)
+        margin[start:start + rows.shape[0]] = ((scores[:, 1] - scores[:, 0]) / (2 * gap)).cpu()
+        nearest[start:start + rows.shape[0]] = ids.cpu()
+        ranks = torch.addmm(rows.pow(2).sum(1).unsqueeze(0), probe_rows, rows.t(), alpha=-2)
+        near, at = ranks.topk(min(k, rows.shape[0]), dim=1, largest=False)
+        best, pick = torch.cat([best, near], 1).topk(min(k, best.shape[1] + near.shape[1]), dim=1, largest=False)
+        best_ids = torch.cat([best_ids, at + start], 1).gather(1, pick)
+    # Each probe's own row is dropped (ranked after all others), then the nearest kept.
+    best = best.masked_fill(best_ids == probes.to(device).unsqueeze(1), float("inf"))
+    order = best.topk(k - 1, dim=1, largest=False).indices
+    return _Nearness(nearest, margin, best_ids.gather(1, order).cpu())
+
+
+def share_margin(nearness: _Nearness, probes: Tensor) -> float:
+    """How near the border between its two nearest cells a row must lie to be shared: the margin
+    below which SHARE_COVERAGE of the probes lie that have an exact nearest neighbour in their
+    second cell (0 when none has)."""
+    second = nearness.cells[probes, 1].unsqueeze(1)
+    crossing = (nearness.cells[nearness.neighbours, 0] == second).any(1)
+    if not bool(crossing.any()):
+        return 0.0
+    return float(torch.quantile(nearness.margin[probes][crossing], SHARE_COVERAGE))
 
 
 def _group_cells(centres: Tensor, sizes: Tensor, shards: int) -> Tensor:
@@ -152,18 +229,24 @@ def plan_shards(data: Tensor, rows_per_shard: int, metric: str, device: torch.de
     """Which rows each shard holds; see :class:`ShardPlan` and the module doc."""
     n = data.shape[0]
     generator = torch.Generator().manual_seed(seed)
-    shards = max(2, math.ceil(n / (PRIMARY_SHARE * rows_per_shard)))
-    sample = torch.randperm(n, generator=generator)[:min(n, shards * CELLS_PER_SHARD)]
-    centre_ids = torch.cat([sample, torch.ops.grnnd.hub_ids(data[:, :1]).cpu()]).unique()
-    cells = sample.numel()
-    centres = _prepared(data[sample.to(data.device)].to(device), metric)
-    nearest = _nearest_cells(data, centres, min(NEAREST_CELLS, cells), metric, device).long()
-    shard_of = _group_cells(centres, torch.bincount(nearest[:, 0], minlength=cells), shards)
-    shards_of_cells = shard_of[nearest]                                   # [N, NEAREST_CELLS]
-    primary = shards_of_cells[:, 0]
-    other = shards_of_cells != primary.unsqueeze(1)
-    first_other = torch.where(other.any(1), other.int().argmax(1), 0)
-    secondary = torch.where(other.any(1), shards_of_cells.gather(1, first_other.unsqueeze(1)).squeeze(1), -1)
+    most_shards = max(2, math.ceil(n / (PRIMARY_SHARE * rows_per_shard)))
+    sample = torch.randperm(n, generator=generator)
+    cells = min(n, most_shards * CELLS_PER_SHARD)
+    centres = min(max(cells * CENTRES_PER_CELL, n // ROWS_PER_CENTRE), rows_per_shard // 4)
+    centre_ids = torch.cat([sample[:centres], torch.ops.grnnd.hub_ids(data[:, :1]).cpu()]).unique()
+    train = _prepared(data[sample[:cells * TRAIN_ROWS_PER_CELL].to(data.device)].to(device), metric)
+    centroids = _centroids(train, cells)
+    del train
+    probes = sample[-min(n, PROBES):]
+    nearness = _nearness(data, centroids, probes, metric, device)
+    near_border = nearness.margin <= share_margin(nearness, probes)
+    # As many shards as the rows they own and share fill to SHARD_FILL, once the centres are in.
+    room = max(1, rows_per_shard - centre_ids.numel())
+    shards = min(most_shards, max(2, math.ceil(n * (1 + float(near_border.float().mean())) / (SHARD_FILL * room))))
+    nearest = nearness.cells
+    shard_of = _group_cells(centroids, torch.bincount(nearest[:, 0], minlength=cells), shards)
+    primary, second = shard_of[nearest[:, 0]], shard_of[nearest[:, 1]]
+    secondary = torch.where(near_border & (second != primary), second, -1)
     secondary[centre_ids] = -1  # in every shard already
     is_centre = torch.zeros(n, dtype=torch.bool)
     is_centre[centre_ids] = True
@@ -172,7 +255,8 @@ def plan_shards(data: Tensor, rows_per_shard: int, metric: str, device: torch.de
         own = ((primary == s) & ~is_centre).nonzero().flatten()
         shared = (secondary == s).nonzero().flatten()
         room = max(rows_per_shard - own.numel() - centre_ids.numel(), 0)
-        if shared.numel() > room:  # the shard is full: the rows it cannot take keep one shard
+        if shared.numel() > room:  # the shard is full: the rows farthest from the border keep one shard
+            shared = shared[nearness.margin[shared].argsort(stable=True)]
             secondary[shared[room:]] = -1
             shared = shared[:room]
         members.append(torch.cat([own, shared, centre_ids]).sort().values)
