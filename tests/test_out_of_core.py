@@ -96,6 +96,46 @@ def test_only_rows_near_a_border_are_shared(blobs):
     assert shared[1] > 0.3, (shared, together)
 
 
+def test_repeated_rows_keep_shards_within_the_budget(blobs):
+    """Repeated rows make empty k-means cells (whose centroid would be every copy's second cell
+    at no distance) and cells too dense for one shard: the copies stay in one shard, a dense cell
+    is cut, and no shard holds more rows than the budget allows."""
+    data, _ = blobs
+    copies = torch.cat([data, data[:1].repeat(1000, 1)])
+    plan = out_of_core.plan_shards(copies, 3333, "l2", torch.device("cpu"), 0)
+    assert all(m.numel() <= 3333 for m in plan.members)
+    # Measured: none of the copies shared (95% when empty cells were kept)
+    assert float((plan.secondary[20_000:] >= 0).float().mean()) < 0.05
+    dense = torch.cat([data[:12_000], data[:1].repeat(8000, 1)])  # 8000 copies: more than a shard holds
+    plan = out_of_core.plan_shards(dense, 3000, "l2", torch.device("cpu"), 0)
+    assert all(m.numel() <= 3000 for m in plan.members)
+    assert sum(m.numel() for m in plan.members) == (20_000 + int((plan.secondary >= 0).sum())
+                                                    + (len(plan.members) - 1) * plan.centres.numel())
+    check_graph(grnnd.build(dense, device="cpu", max_gpu_memory=budget_for(3000, dense)), 20_000)
+
+
+def test_planning_in_blocks_plans_the_same_cells(blobs, monkeypatch):
+    """The k-means and nearest-cell passes go in blocks that keep their scores within
+    ASSIGN_CHUNK_SCORES (so a plan of many cells stays within the budget): k-means blocks of 200
+    and 650 rows, and passes of 77 and 252 rows, give the cells, margins and probe neighbours
+    of one block of all rows."""
+    data, _ = blobs
+    train, probes = data[:4000], torch.arange(0, 20_000, 97)
+    whole = out_of_core._centroids(train, 50)
+    origin = torch.zeros(data.shape[1])
+    nearness = out_of_core._nearness(data, whole, origin, probes, "l2", torch.device("cpu"))
+    for scores in (20_000, 65_000):
+        monkeypatch.setattr(out_of_core, "ASSIGN_CHUNK_SCORES", scores)
+        centroids = out_of_core._centroids(train, 50)
+        torch.testing.assert_close(centroids, whole, rtol=1e-4, atol=1e-4)
+        blocked = out_of_core._nearness(data, whole, origin, probes, "l2", torch.device("cpu"))
+        assert torch.equal(blocked.cells, nearness.cells) and torch.equal(blocked.neighbours, nearness.neighbours)
+        torch.testing.assert_close(blocked.margin, nearness.margin)
+    # the probes' neighbours are their exact nearest rows, themselves left out
+    exact = exact_neighbours(data, data[probes], 11)[1][:, 1:]
+    assert (nearness.neighbours == exact.long()).float().mean() > 0.99
+
+
 def test_a_build_that_fits_is_the_plain_build(blobs):
     data, _ = blobs
     graph = grnnd.build(data[:3000], device="cpu", max_gpu_memory="1GB")

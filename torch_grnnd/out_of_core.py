@@ -4,7 +4,7 @@ A build needs its rows and 2 x N x pool_size x 8 bytes of pools on the device at
 that exceeds the budget, the rows are split into shards that fit, with DiskANN's overlap: the
 data is cut into cells (k-means on a sample), cells are grouped into spatially coherent shards,
 and a row whose two nearest cells lie in two shards belongs to both when it lies near enough to
-the border between them that neighbours may lie across it (:func:`share_margin`). Each shard is
+the border between them that neighbours may lie across it (``_share_margin``). Each shard is
 copied in (pinned host rows read by the GPU where they lie; other rows gathered on the host by a
 worker thread while the device builds the previous shard), built by the ordinary build, and its
 rows stored on the host with global ids.
@@ -20,10 +20,11 @@ of their own, the skeleton, joined into their rows: a search enters at the hubs 
 regions along it, as through the top layer of HNSW.
 
 Cells around sampled rows, with every row of two shards shared, built 18.9M rows for 10M
-clustered rows x 1024 (89% shared; 41.8-42.5 s against 10.4 s in memory, recall 0.9846 against
-0.9807, 8 GB, one H100): those cells cut the clusters apart, so every row lay near a border.
-K-means cells follow the clusters, and 31% of the rows were shared: 27.3 s against 10.6 s,
-recall 0.9771 (benchmarks/README.md, "K-means cells").
+clustered rows x 1024 in 8 GB (89% shared; in a one-off run on one H100, 41.8 and 42.5 s against
+10.4 s in memory, recall 0.9846 against 0.9807): those cells cut the clusters apart, so every row
+lay near a border. K-means cells follow the clusters, and 31% of the rows were shared:
+`bench_out_of_core.py` took 27.3 s against 10.6 s, recall 0.9771 (benchmarks/README.md,
+"K-means cells").
 
 The result is one graph over all rows, on the host (or wherever ``data`` is), searched as any
 other: a graph of 100M rows is 19.2 GB of int32 at the default degree 48.
@@ -53,17 +54,19 @@ CELLS_PER_SHARD = 32
 # joins the shards, so there are at least CENTRES_PER_CELL per cell and one per ROWS_PER_CENTRE
 # rows, at most a quarter of a shard. Clustered rows, recall@10 at list 64 of queries whose
 # cluster holds no hub (the search enters at hubs) against 0.9866 for the whole build: 1M x 1024
-# in 8 shards (H100), 0.8426 with 2791 centres (four per cell), 0.9845 with 8163; at list 16,
+# in 8 shards (H100), 0.8426 with 2791 centres (four per cell), 0.9845 with 8163 (16 per cell;
+# the rule here gives about 8.8k there, a count not measured); at list 16,
 # 20k x 64 in 5 and 13 shards (CPU), all queries: 0.890 and 0.984 with one centre per cell,
 # 0.996 and 0.997 with four, as when half the rows were shared.
 CENTRES_PER_CELL = 4
 ROWS_PER_CENTRE = 128
-# Shards are planned at most at this share of the rows that fit, leaving room for the rows they share.
+# The most shards a plan may have: each owns at least this share of the rows that fit. It also
+# sets the number of cells (CELLS_PER_SHARD for each of that many shards).
 PRIMARY_SHARE = 0.5
 # The cells are k-means centroids: Lloyd's iterations on this many sampled rows per cell, starting
 # from sampled rows. Cells around sampled rows cut clusters apart: on 200k x 128 rows in 200
 # clusters (CPU), 73% of a row's true 10-NN lay in its own cell around sampled rows and 97% in its
-# own k-means cell, and the rows near a border (share_margin) fell from 60% to 11%.
+# own k-means cell, and the rows near a border (_share_margin) fell from 60% to 11%.
 TRAIN_ROWS_PER_CELL = 64
 LLOYD_ITERS = 8
 # A row may also join the shard of its second-nearest cell. Sharing every such row (clustered
@@ -72,7 +75,7 @@ LLOYD_ITERS = 8
 # 0.9997-0.9996 / 0.999-0.997, 37-42% of the rows shared; with the nearest other of four cells no
 # better, 72% shared. Now only a row near the border is shared: PROBES rows' exact
 # PROBE_NEIGHBOURS nearest neighbours (among all rows) show how near the border neighbours still
-# cross it, and the shared rows cover SHARE_COVERAGE of those crossings (share_margin).
+# cross it, and the shared rows cover SHARE_COVERAGE of those crossings (_share_margin).
 PROBES = 1024
 PROBE_NEIGHBOURS = 10
 SHARE_COVERAGE = 0.99
@@ -135,16 +138,27 @@ def _prepared(rows: Tensor, metric: str) -> Tensor:
 
 
 def _centroids(train: Tensor, cells: int) -> Tensor:
-    """float32 [cells, D]: k-means centroids of ``train`` (prepared rows on the device), starting
-    from its first ``cells`` rows; a cell that loses all its rows keeps its centroid. Sums go
-    through a matrix product, not atomic adds, so the plan is the same from run to run."""
+    """float32 [c, D], c <= cells: k-means centroids of ``train`` (prepared rows on the device, at
+    least ``cells`` of them), starting from its first ``cells`` rows. Cells left with no rows
+    (repeated starting rows among them) are dropped, but two are always kept: an empty cell's
+    centroid would be every row's second cell at no distance. Sums go through matrix products,
+    not atomic adds, so the plan is the same from run to run; the rows go in blocks whose scores
+    and assignments take at most ASSIGN_CHUNK_SCORES floats."""
     centroids = train[:cells].clone()
+    block = max(1, ASSIGN_CHUNK_SCORES // (2 * cells))
     for _ in range(LLOYD_ITERS):
-        nearest = torch.addmm(centroids.pow(2).sum(1), train, centroids.t(), alpha=-2).argmin(1)
-        assign = torch.nn.functional.one_hot(nearest, cells).to(train.dtype)
-        counts = assign.sum(0).unsqueeze(1)
-        centroids = torch.where(counts > 0, (assign.t() @ train) / counts.clamp_min(1), centroids)
-    return centroids
+        norms = centroids.pow(2).sum(1)
+        sums, counts = torch.zeros_like(centroids), torch.zeros(cells, dtype=train.dtype, device=train.device)
+        for start in range(0, train.shape[0], block):
+            rows = train[start:start + block]
+            nearest = torch.addmm(norms, rows, centroids.t(), alpha=-2).argmin(1, keepdim=True)
+            assign = torch.zeros(rows.shape[0], cells, dtype=train.dtype, device=train.device).scatter_(1, nearest, 1.0)
+            sums.addmm_(assign.t(), rows)
+            counts += assign.sum(0)
+        centroids = torch.where(counts.unsqueeze(1) > 0, sums / counts.clamp_min(1).unsqueeze(1), centroids)
+    keep = counts > 0
+    keep[:2] |= int(keep.sum()) < 2
+    return centroids[keep]
 
 
 class _Nearness(NamedTuple):
@@ -153,24 +167,27 @@ class _Nearness(NamedTuple):
     neighbours: Tensor  # int64 [P, PROBE_NEIGHBOURS]: the probes' exact nearest rows, nearest first
 
 
-def _nearness(data: Tensor, centroids: Tensor, probes: Tensor, metric: str, device: torch.device) -> _Nearness:
+def _nearness(data: Tensor, centroids: Tensor, origin: Tensor, probes: Tensor, metric: str,
+              device: torch.device) -> _Nearness:
     """One pass over the rows (squared l2 on prepared rows, see :class:`_Nearness`). The margin is
-    the distance from the row to the hyperplane halfway between its two cells' centroids."""
+    the distance from the row to the hyperplane halfway between its two cells' centroids. Rows
+    and ``centroids`` are taken relative to ``origin`` (the training rows' mean): the scores are
+    differences of squared norms, which lose their digits far from the origin (clustered rows
+    moved 1000 away shared 35% of the rows instead of 3.6%)."""
     n, cells = data.shape[0], centroids.shape[0]
     nearest = torch.empty(n, 2, dtype=torch.int64)
     margin = torch.empty(n, dtype=torch.float32)
     centroid_norms = centroids.pow(2).sum(1)
-    spacing = torch.cdist(centroids, centroids)
-    probe_rows = _prepared(data[probes.to(data.device)].to(device), metric)
+    probe_rows = _prepared(data[probes.to(data.device)].to(device), metric) - origin
     k = min(PROBE_NEIGHBOURS + 1, n)  # the probe itself is among the rows
     # Per probe, |row|^2 - 2 <probe, row> ranks rows as their distance to it does.
     best = torch.empty(probes.numel(), 0, device=device)
     best_ids = torch.empty(probes.numel(), 0, dtype=torch.int64, device=device)
     chunk = max(1, min(ASSIGN_CHUNK_ROWS, ASSIGN_CHUNK_SCORES // (cells + probes.numel())))
     for start in range(0, n, chunk):
-        rows = _prepared(data[start:start + chunk].to(device, non_blocking=True), metric)
+        rows = _prepared(data[start:start + chunk].to(device, non_blocking=True), metric) - origin
         scores, ids = torch.addmm(centroid_norms, rows, centroids.t(), alpha=-2).topk(2, dim=1, largest=False)
-        gap = spacing[ids[:, 0], ids[:, 1]].clamp_min(1e-30)
+        gap = (centroids[ids[:, 0]] - centroids[ids[:, 1]]).norm(dim=1).clamp_min(1e-30)
         margin[start:start + rows.shape[0]] = ((scores[:, 1] - scores[:, 0]) / (2 * gap)).cpu()
         nearest[start:start + rows.shape[0]] = ids.cpu()
         ranks = torch.addmm(rows.pow(2).sum(1).unsqueeze(0), probe_rows, rows.t(), alpha=-2)
@@ -183,7 +200,7 @@ def _nearness(data: Tensor, centroids: Tensor, probes: Tensor, metric: str, devi
     return _Nearness(nearest, margin, best_ids.gather(1, order).cpu())
 
 
-def share_margin(nearness: _Nearness, probes: Tensor) -> float:
+def _share_margin(nearness: _Nearness, probes: Tensor) -> float:
     """How near the border between its two nearest cells a row must lie to be shared: the margin
     below which SHARE_COVERAGE of the probes lie that have an exact nearest neighbour in their
     second cell (0 when none has)."""
@@ -194,26 +211,26 @@ def share_margin(nearness: _Nearness, probes: Tensor) -> float:
     return float(torch.quantile(nearness.margin[probes][crossing], SHARE_COVERAGE))
 
 
-def _group_cells(centres: Tensor, sizes: Tensor, shards: int) -> Tensor:
+def _group_cells(centroids: Tensor, sizes: Tensor, shards: int, capacity: int) -> Tensor:
     """int64 [cells]: the shard of each cell. Shards grow from the outside in: each starts at
     the free cell farthest from the free cells' mean and takes the free cells nearest to it
-    until it holds its share of the rows, so every shard is one compact region."""
-    centres, sizes = centres.float().cpu(), sizes.cpu()
-    shard_of = torch.full((centres.shape[0],), -1, dtype=torch.int64)
-    target = int(sizes.sum()) / shards
-    for s in range(shards):
+    until it holds its share of the rows (``sizes`` summed over ``shards``), so every shard is one
+    compact region. None takes more than ``capacity`` rows unless one cell alone has more; where
+    the shares do not fit, there are more shards."""
+    centroids, sizes = centroids.float().cpu(), sizes.cpu()
+    shard_of = torch.full((centroids.shape[0],), -1, dtype=torch.int64)
+    target = min(capacity, int(sizes.sum()) / shards)
+    s = 0
+    while bool((shard_of < 0).any()):
         free = (shard_of < 0).nonzero().flatten()
-        if free.numel() == 0:
-            break
-        if s == shards - 1:
-            shard_of[free] = s
-            break
-        mean = centres[free].mean(0)
-        seed = free[(centres[free] - mean).pow(2).sum(1).argmax()]
-        order = free[(centres[free] - centres[seed]).pow(2).sum(1).argsort()]
+        mean = centroids[free].mean(0)
+        seed = free[(centroids[free] - mean).pow(2).sum(1).argmax()]
+        order = free[(centroids[free] - centroids[seed]).pow(2).sum(1).argsort()]
         filled = sizes[order].cumsum(0)
-        take = int((filled < target).sum()) + 1  # the cell that reaches the target joins too
-        shard_of[order[:take]] = s
+        # The cell that reaches the target joins too, if there is room; the last shard the rest.
+        take = free.numel() if s == shards - 1 else int((filled < target).sum()) + 1
+        shard_of[order[:max(1, min(take, int((filled <= capacity).sum())))]] = s
+        s += 1
     return shard_of
 
 
@@ -221,8 +238,32 @@ class ShardPlan(NamedTuple):
     members: List[Tensor]  # int64 sorted row ids of each shard
     primary: Tensor        # int64 [N]: each row's own shard
     secondary: Tensor      # int64 [N]: the second shard a row also belongs to, -1 for none
-    centres: Tensor        # int64 sorted ids of the skeleton's rows (cells' centres, hubs): in every shard
+    centres: Tensor        # int64 sorted ids of the skeleton's rows (sampled rows, hubs): in every shard
     cell: Tensor           # int64 [N]: each row's nearest cell
+
+
+def _split_large_cells(cell: Tensor, is_centre: Tensor, cells: int, capacity: int) -> Tensor:
+    """int64 [N]: each row's group, its cell, except that the rows (centres aside) of a cell with
+    more than half a shard's ``capacity`` go in groups of that many by row id, groups numbered
+    from ``cells`` on: a region so dense (repeated rows, say) that one shard could not hold it
+    is cut, not left to break the budget."""
+    group = cell.clone()
+    piece = max(1, capacity // 2)
+    sizes = torch.bincount(cell[~is_centre], minlength=cells)
+    next_group = cells
+    for c in (sizes > piece).nonzero().flatten().tolist():
+        rows = ((cell == c) & ~is_centre).nonzero().flatten()
+        for part in rows.split(piece)[1:]:
+            group[part] = next_group
+            next_group += 1
+    return group
+
+
+def _group_cell(group: Tensor, cell: Tensor) -> Tensor:
+    """int64 [groups]: the cell each group of :func:`_split_large_cells` came from."""
+    of = torch.arange(int(group.max()) + 1)
+    of[group] = cell
+    return of
 
 
 def plan_shards(data: Tensor, rows_per_shard: int, metric: str, device: torch.device, seed: int) -> ShardPlan:
@@ -234,24 +275,29 @@ def plan_shards(data: Tensor, rows_per_shard: int, metric: str, device: torch.de
     cells = min(n, most_shards * CELLS_PER_SHARD)
     centres = min(max(cells * CENTRES_PER_CELL, n // ROWS_PER_CENTRE), rows_per_shard // 4)
     centre_ids = torch.cat([sample[:centres], torch.ops.grnnd.hub_ids(data[:, :1]).cpu()]).unique()
-    train = _prepared(data[sample[:cells * TRAIN_ROWS_PER_CELL].to(data.device)].to(device), metric)
-    centroids = _centroids(train, cells)
+    # At most ASSIGN_CHUNK_SCORES floats of training rows (256 MiB), and at least one a cell.
+    training = max(cells, min(cells * TRAIN_ROWS_PER_CELL, ASSIGN_CHUNK_SCORES // data.shape[1]))
+    train = _prepared(data[sample[:training].to(data.device)].to(device), metric)
+    origin = train.mean(0)
+    centroids = _centroids(train - origin, cells)
     del train
     probes = sample[-min(n, PROBES):]
-    nearness = _nearness(data, centroids, probes, metric, device)
-    near_border = nearness.margin <= share_margin(nearness, probes)
-    # As many shards as the rows they own and share fill to SHARD_FILL, once the centres are in.
-    room = max(1, rows_per_shard - centre_ids.numel())
-    shards = min(most_shards, max(2, math.ceil(n * (1 + float(near_border.float().mean())) / (SHARD_FILL * room))))
-    nearest = nearness.cells
-    shard_of = _group_cells(centroids, torch.bincount(nearest[:, 0], minlength=cells), shards)
-    primary, second = shard_of[nearest[:, 0]], shard_of[nearest[:, 1]]
-    secondary = torch.where(near_border & (second != primary), second, -1)
-    secondary[centre_ids] = -1  # in every shard already
+    nearness = _nearness(data, centroids, origin, probes, metric, device)
+    near_border = nearness.margin <= _share_margin(nearness, probes)
     is_centre = torch.zeros(n, dtype=torch.bool)
     is_centre[centre_ids] = True
+    # As many shards as the rows they own and share fill to SHARD_FILL, once the centres are in.
+    capacity = max(1, rows_per_shard - centre_ids.numel())
+    shards = min(most_shards, max(2, math.ceil(n * (1 + float(near_border.float().mean())) / (SHARD_FILL * capacity))))
+    nearest = nearness.cells
+    group = _split_large_cells(nearest[:, 0], is_centre, centroids.shape[0], capacity)
+    own_rows = torch.bincount(group[~is_centre], minlength=int(group.max()) + 1)
+    shard_of_group = _group_cells(centroids[_group_cell(group, nearest[:, 0])], own_rows, shards, capacity)
+    primary, second = shard_of_group[group], shard_of_group[nearest[:, 1]]
+    secondary = torch.where(near_border & (second != primary), second, -1)
+    secondary[centre_ids] = -1  # in every shard already
     members = []
-    for s in range(int(shard_of.max()) + 1):
+    for s in range(int(shard_of_group.max()) + 1):
         own = ((primary == s) & ~is_centre).nonzero().flatten()
         shared = (secondary == s).nonzero().flatten()
         room = max(rows_per_shard - own.numel() - centre_ids.numel(), 0)
