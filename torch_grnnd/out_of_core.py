@@ -242,28 +242,22 @@ class ShardPlan(NamedTuple):
     cell: Tensor           # int64 [N]: each row's nearest cell
 
 
-def _split_large_cells(cell: Tensor, is_centre: Tensor, cells: int, capacity: int) -> Tensor:
-    """int64 [N]: each row's group, its cell, except that the rows (centres aside) of a cell with
-    more than half a shard's ``capacity`` go in groups of that many by row id, groups numbered
-    from ``cells`` on: a region so dense (repeated rows, say) that one shard could not hold it
-    is cut, not left to break the budget."""
+def _split_large_cells(cell: Tensor, is_centre: Tensor, cells: int, capacity: int) -> Tuple[Tensor, Tensor]:
+    """``(group, origin)``: int64 [N] each row's group, its cell, except that the rows (centres
+    aside) of a cell with more than half a shard's ``capacity`` go in groups of that many by row
+    id, groups numbered from ``cells`` on; int64 [groups] the cell each group came from. A region
+    so dense (repeated rows, say) that one shard could not hold it is cut, not left to break the
+    budget."""
     group = cell.clone()
+    origin = list(range(cells))
     piece = max(1, capacity // 2)
     sizes = torch.bincount(cell[~is_centre], minlength=cells)
-    next_group = cells
     for c in (sizes > piece).nonzero().flatten().tolist():
         rows = ((cell == c) & ~is_centre).nonzero().flatten()
         for part in rows.split(piece)[1:]:
-            group[part] = next_group
-            next_group += 1
-    return group
-
-
-def _group_cell(group: Tensor, cell: Tensor) -> Tensor:
-    """int64 [groups]: the cell each group of :func:`_split_large_cells` came from."""
-    of = torch.arange(int(group.max()) + 1)
-    of[group] = cell
-    return of
+            group[part] = len(origin)
+            origin.append(c)
+    return group, torch.tensor(origin, dtype=torch.int64)
 
 
 def plan_shards(data: Tensor, rows_per_shard: int, metric: str, device: torch.device, seed: int) -> ShardPlan:
@@ -279,7 +273,7 @@ def plan_shards(data: Tensor, rows_per_shard: int, metric: str, device: torch.de
     training = max(cells, min(cells * TRAIN_ROWS_PER_CELL, ASSIGN_CHUNK_SCORES // data.shape[1]))
     train = _prepared(data[sample[:training].to(data.device)].to(device), metric)
     origin = train.mean(0)
-    centroids = _centroids(train - origin, cells)
+    centroids = _centroids(train.sub_(origin), cells)  # train is a copy of the rows
     del train
     probes = sample[-min(n, PROBES):]
     nearness = _nearness(data, centroids, origin, probes, metric, device)
@@ -290,9 +284,9 @@ def plan_shards(data: Tensor, rows_per_shard: int, metric: str, device: torch.de
     capacity = max(1, rows_per_shard - centre_ids.numel())
     shards = min(most_shards, max(2, math.ceil(n * (1 + float(near_border.float().mean())) / (SHARD_FILL * capacity))))
     nearest = nearness.cells
-    group = _split_large_cells(nearest[:, 0], is_centre, centroids.shape[0], capacity)
-    own_rows = torch.bincount(group[~is_centre], minlength=int(group.max()) + 1)
-    shard_of_group = _group_cells(centroids[_group_cell(group, nearest[:, 0])], own_rows, shards, capacity)
+    group, origin_cell = _split_large_cells(nearest[:, 0], is_centre, centroids.shape[0], capacity)
+    own_rows = torch.bincount(group[~is_centre], minlength=origin_cell.numel())
+    shard_of_group = _group_cells(centroids[origin_cell], own_rows, shards, capacity)
     primary, second = shard_of_group[group], shard_of_group[nearest[:, 1]]
     secondary = torch.where(near_border & (second != primary), second, -1)
     secondary[centre_ids] = -1  # in every shard already
