@@ -23,6 +23,7 @@
 #include <ATen/ATen.h>
 
 #include "params.h"
+#include "philox.h"
 #include "progress.h"
 
 namespace grnnd {
@@ -49,11 +50,30 @@ inline at::Tensor start_entries(const c10::optional<at::Tensor>& init, const at:
   return t.slice(1, 0, columns).contiguous();
 }
 
-// init_split checked: the row where a merge's second graph starts (0: not a merge).
+// init_split checked: the row where a merge's second graph starts; 0 when the build is not a
+// merge of two non-empty graphs (init_split 0 or n).
 inline int64_t start_split(int64_t init_split, int64_t n) {
   TORCH_CHECK_VALUE(init_split >= 0 && init_split <= n, "init_split: expected a row in [0, ", n, "], got ",
                     init_split);
-  return init_split;
+  return init_split < n ? init_split : 0;
+}
+
+// Whether the update of vertex v compares its pool entries a and b (is_new: their "new" flags).
+// A pair of two old entries was compared before and passed (RNN-Descent's new/old flags). In a
+// merge (split, start_split: rows [0, split) and [split, n) come from two built graphs) neither is a pair of
+// two rows of v's own graph: rows of v's own graph reach v only when rows of the other graph
+// hand them on, and comparing them with v's own entries redoes pruning that v's own build did,
+// while what the merge must find is how the other graph's rows sit among them. Seed 003's GGM
+// compares only pairs across the two graphs; that lost recall here (rows kept entries of the
+// other graph that cover each other), skipping only v's own graph's pairs did not: on the CPU a
+// merge of two halves computed 20-26% fewer distances at recall@10 within 0.003 of the merge
+// that compares them (clustered 100k x 64 and 200k x 32, anisotropic Gaussian 100k x 48 and x 96;
+// benchmarks/README.md, "A merge leaves pairs of a row's own graph alone").
+GRNND_HOST_DEVICE bool compares_pair(int64_t v, int64_t a, bool a_new, int64_t b, bool b_new, int64_t split) {
+  if (!a_new && !b_new) return false;
+  if (split == 0) return true;
+  const bool own = v < split;
+  return (a < split) != own || (b < split) != own;
 }
 
 constexpr double kOuterDelta = 10.0;

@@ -207,10 +207,11 @@ void visit_order(const Pools& pools, int buf, int64_t v, uint32_t round, const B
 }
 
 // Algorithm 4 for one vertex: walk the pool in `order`; each entry is tested against the
-// entries kept so far with the relative-neighbourhood rule (eq. 2): when two neighbours are
-// closer to each other than the farther one is to v, the farther one is handed to the closer
-// one's next pool and dropped from v's. What survives goes to v's next pool as old entries.
-// Returns how many of the handed-over entries changed a pool (the convergence measure).
+// entries kept so far (the pairs compares_pair names) with the relative-neighbourhood rule
+// (eq. 2): when two neighbours are closer to each other than the farther one is to v, the
+// farther one is handed to the closer one's next pool and dropped from v's. What survives goes
+// to v's next pool as old entries. Returns how many of the handed-over entries changed a pool
+// (the convergence measure).
 //
 // The hand-overs are decided first and inserted after, as the CUDA kernel does: the walk reads
 // only buffer `read`, so the pools end the same (an insert keeps the pool's best entries, in
@@ -222,7 +223,7 @@ struct HandOver {
 };
 
 int update_vertex(const VectorSet& vectors, Pools& pools, int read, int64_t v, uint32_t round,
-                  const BuildParams& p, std::vector<int>& order, std::vector<uint32_t>& keys,
+                  const BuildParams& p, int64_t split, std::vector<int>& order, std::vector<uint32_t>& keys,
                   std::vector<int>& kept, std::vector<HandOver>& moves) {
   const int write = read ^ 1;
   const uint32_t* slot = pools.slots(read, v);
@@ -236,11 +237,11 @@ int update_vertex(const VectorSet& vectors, Pools& pools, int read, int64_t v, u
     bool keep = true;
     for (size_t j = 0; j < kept.size();) {
       const int b_index = kept[j];
-      if (!slot_is_new(slot[i]) && !slot_is_new(slot[b_index])) {
+      const int32_t b = slot_id(slot[b_index]);
+      if (!compares_pair(v, a, slot_is_new(slot[i]), b, slot_is_new(slot[b_index]), split)) {
         ++j;
         continue;
       }
-      const int32_t b = slot_id(slot[b_index]);
       const float d_ab = vectors(a, b);
       if (d_ab < std::max(dist[i], dist[b_index])) {
         if (dist[i] >= dist[b_index]) {  // a is the farther one: it moves to b
@@ -300,8 +301,9 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
   if (lift.defined()) vectors.lift = lift.data_ptr<float>();
 
   Pools pools(n, p.pool_size);
+  const int64_t split = start_split(init_split, n);
   initialise(vectors, n, p, p.start == Start::kHubs ? partition_cells(x, lift) : Cells{}, start_entries(init, data, p),
-             start_split(init_split, n), pools);
+             split, pools);
   int read = 0;
   run_schedule(
       p, n,
@@ -314,7 +316,8 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
           thread_local std::vector<int> order_of, kept;
           thread_local std::vector<HandOver> moves;
           thread_local std::vector<uint32_t> keys;
-          const int changed = update_vertex(vectors, pools, read, v, round, iteration, order_of, keys, kept, moves);
+          const int changed =
+              update_vertex(vectors, pools, read, v, round, iteration, split, order_of, keys, kept, moves);
           if (changed > 0) changes.fetch_add(changed, std::memory_order_relaxed);
         });
         read ^= 1;
