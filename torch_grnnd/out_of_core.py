@@ -24,7 +24,8 @@ clustered rows x 1024 in 8 GB (89% shared; in a one-off run on one H100, 41.8 an
 10.4 s in memory, recall 0.9846 against 0.9807): those cells cut the clusters apart, so every row
 lay near a border. K-means cells follow the clusters, and 31% of the rows were shared:
 `bench_out_of_core.py` took 27.3 s against 10.6 s, recall 0.9771 (benchmarks/README.md,
-"K-means cells").
+"K-means cells"); the recall depends on the plan's random sample: 0.9644-0.9771 over three seeds
+(in memory 0.9807; "After the planning fixes, and across seeds").
 
 The result is one graph over all rows, on the host (or wherever ``data`` is), searched as any
 other: a graph of 100M rows is 19.2 GB of int32 at the default degree 48.
