@@ -58,12 +58,13 @@ inline int64_t start_split(int64_t init_split, int64_t n) {
   return init_split < n ? init_split : 0;
 }
 
-// Whether the update of vertex v compares its pool entries a and b (is_new: their "new" flags).
-// A pair of two old entries was compared before and passed (RNN-Descent's new/old flags). In a
-// merge (split, start_split: rows [0, split) and [split, n) come from two built graphs) neither is a pair of
-// two rows of v's own graph: rows of v's own graph reach v only when rows of the other graph
-// hand them on, and comparing them with v's own entries redoes pruning that v's own build did,
-// while what the merge must find is how the other graph's rows sit among them. Seed 003's GGM
+// Whether the update of vertex v compares its pool entries a and b (a_new, b_new: their "new"
+// flags). A pair of two old entries was compared before and passed (RNN-Descent's new/old
+// flags). In a merge (split, start_split: rows [0, split) and [split, n) come from two built
+// graphs) neither is a pair of two rows of v's own graph: rows of v's own graph reach v only when
+// rows of the other graph hand them on, and comparing them with v's own entries redoes pruning
+// that v's own build did, while what the merge must find is how the other graph's rows sit among
+// them. Seed 003's GGM
 // compares only pairs across the two graphs; that lost recall here (rows kept entries of the
 // other graph that cover each other), skipping only v's own graph's pairs did not: on the CPU a
 // merge of two halves computed 20-26% fewer distances at a recall@10 at most 0.0016 below the
