@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 """A build from host rows within a GPU memory budget against the in-memory build, same run.
 
-    python benchmarks/bench_out_of_core.py --sets blobs:10000000x1024 --budget 8GB
+    python benchmarks/bench_out_of_core.py --sets blobs:10000000x1024 --budget 8GB --seeds 0,1,2
     python benchmarks/bench_out_of_core.py --sets blobs:2000000x128,zipf:2000000x384 --budget 1GB
     python benchmarks/bench_out_of_core.py --sets blobs:100000000x96 --budget free --skip-in-memory \
-        --queries 10000 --name 100m
+        --name 100m
 
 Float16 rows as bench_scale.py makes them (blobs, zipf, aniso), moved to pinned host memory
 (`--source pinned`) or saved to an .npy file under --scratch and memory-mapped (`--source npy`:
 `np.load(mmap_mode="c")`, rows gathered on the host into a pinned staging buffer; the file was
 just written, so its pages are in the page cache unless memory ran short).
-For each set: the in-memory build (rows on the GPU), then `grnnd.build(host_rows,
+For each set and build seed (`--seeds`; `BuildParams.seed` also draws the shard plan's sample,
+which moves the recall): the in-memory build (rows on the GPU), then `grnnd.build(host_rows,
 device="cuda", max_gpu_memory=budget)`, with the build time (wall clock, the copies in
 included), peak GPU memory beyond what was allocated before, peak host memory of the process
 (ru_maxrss), shards and shared rows, and recall@10 at list 64 of a GPU search of each graph against
@@ -64,22 +65,34 @@ def host_rows(base: torch.Tensor, source: str, scratch: str) -> torch.Tensor:
 
 
 def measure(family: str, n: int, d: int, budget: str, queries: int, in_memory: bool, source: str = "pinned",
-            scratch: str = "/tmp") -> dict:
+            scratch: str = "/tmp", seeds=(0,)) -> list:
+    """A row of results for each build seed (``BuildParams.seed``, which also draws the plan's
+    sample), the in-memory build run with the same seed."""
     base, queries = make_set(family, n, d, queries=queries)
     truth = grnnd.knn(base, queries, K)[1]
-    whole_s = whole_recall = None
-    if in_memory:
+    whole = {}
+    for seed in seeds if in_memory else ():
         torch.cuda.synchronize()
         start = time.perf_counter()
-        whole = grnnd.build(base)
+        graph = grnnd.build(base, seed=seed)
         torch.cuda.synchronize()
-        whole_s = time.perf_counter() - start
-        whole_recall = recall_of(whole, base, queries, truth)
-        del whole
+        whole[seed] = (time.perf_counter() - start, recall_of(graph, base, queries, truth))
+        del graph
     host = host_rows(base, source, scratch)
     del base
     torch.cuda.empty_cache()
-    params = grnnd.BuildParams()
+    rows = []
+    for seed in seeds:
+        rows.append(measure_out_of_core(family, n, d, host, queries, truth, budget, source, seed,
+                                        *whole.get(seed, (None, None))))
+    if source == "npy":
+        os.remove(rows_file(scratch))
+    return rows
+
+
+def measure_out_of_core(family: str, n: int, d: int, host: torch.Tensor, queries: torch.Tensor,
+                        truth: torch.Tensor, budget: str, source: str, seed: int, whole_s, whole_recall) -> dict:
+    params = grnnd.BuildParams(seed=seed)
     max_memory = None if budget == "free" else budget
     bytes_free = out_of_core.parse_bytes(budget) if max_memory else out_of_core.free_bytes(torch.device("cuda"))
     rows = bytes_free // out_of_core.bytes_per_row(d, host.element_size(), params)
@@ -92,21 +105,18 @@ def measure(family: str, n: int, d: int, budget: str, queries: int, in_memory: b
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    graph = grnnd.build(host, device="cuda", max_gpu_memory=max_memory,
+    graph = grnnd.build(host, device="cuda", max_gpu_memory=max_memory, seed=seed,
                         progress=lambda done, total: steps.append((done, total, time.perf_counter() - start)))
     sharded_s = time.perf_counter() - start
     shards_done = next(t for done, _, t in steps if done >= shard_rows)
     peak_gpu = torch.cuda.max_memory_allocated() - before
     base = host.cuda()
-    del host
-    if source == "npy":
-        os.remove(rows_file(scratch))
     graph = graph.cuda()
     sharded_recall = recall_of(graph, base, queries, truth)
     print(f"out-of-core build {sharded_s:.2f} s, recall {sharded_recall:.4f}, peak host {peak_host_gib():.1f} GiB",
           flush=True)
     reached = float(grnnd.diagnostics.reachable(graph, grnnd.diagnostics.hubs(base)).float().mean())
-    row = {"set": f"{family}:{n}x{d}", "source": source, "budget": budget,
+    row = {"set": f"{family}:{n}x{d}", "seed": seed, "source": source, "budget": budget,
            "in_memory_s": whole_s, "in_memory_recall": whole_recall,
            "out_of_core_s": sharded_s, "out_of_core_recall": sharded_recall,
            "ratio": sharded_s / whole_s if whole_s else None, "queries": int(queries.shape[0]),
@@ -128,7 +138,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sets", default="blobs:10000000x1024", help="family:NxD, comma separated")
     p.add_argument("--budget", default="8GB", help="bytes, a size like 8GB, or free (what the GPU has free)")
-    p.add_argument("--queries", type=int, default=1000)
+    p.add_argument("--queries", type=int, default=10000)
+    p.add_argument("--seeds", default="0", help="build seeds (BuildParams.seed, which draws the plan), comma separated")
     p.add_argument("--skip-in-memory", action="store_true", help="no in-memory build (it would not fit)")
     p.add_argument("--source", choices=["pinned", "npy"], default="pinned",
                    help="host rows pinned, or a memory-mapped .npy file under --scratch")
@@ -137,8 +148,10 @@ def main():
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the stages' times
-    rows = [measure(family, n, d, args.budget, args.queries, not args.skip_in_memory, args.source, args.scratch)
-            for family, n, d in parse_sets(args.sets)]
+    seeds = [int(seed) for seed in args.seeds.split(",")]
+    rows = [row for family, n, d in parse_sets(args.sets)
+            for row in measure(family, n, d, args.budget, args.queries, not args.skip_in_memory, args.source,
+                               args.scratch, seeds)]
     m = machine(threads=torch.get_num_threads(), cuda=True)
     stem = gpu_result_stem(args.out, "out_of_core", args.name)
     with open(stem + ".json", "w") as f:
@@ -147,11 +160,11 @@ def main():
              f"Machine: {machine_line(m)}. `python benchmarks/bench_out_of_core.py {' '.join(sys.argv[1:])}`; "
              f"float16 rows (bench_scale.py's families) {SOURCES[args.source]}; recall@10 at list {LIST} "
              f"(GPU search, {args.queries} queries, exact neighbours from grnnd.knn).", "",
-             "| set | budget | in-memory s | recall | out-of-core s (plan + shards, joins) | ratio (x) | recall | "
+             "| set | seed | budget | in-memory s | recall | out-of-core s (plan + shards, joins) | ratio (x) | recall | "
              "shards | shared rows | peak GPU GiB | peak host GiB | reachable | min degree |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['set']} | {r['budget']} | {_or_dash(r['in_memory_s'], '.2f')} | "
+        lines.append(f"| {r['set']} | {r['seed']} | {r['budget']} | {_or_dash(r['in_memory_s'], '.2f')} | "
                      f"{_or_dash(r['in_memory_recall'], '.4f')} | {r['out_of_core_s']:.2f} ({r['shards_done_s']:.1f}, "
                      f"{r['joins_s']:.1f}) | {_or_dash(r['ratio'], '.2f')} | {r['out_of_core_recall']:.4f} | "
                      f"{r['shards']} | "

@@ -24,8 +24,9 @@ clustered rows x 1024 in 8 GB (89% shared; in a one-off run on one H100, 41.8 an
 10.4 s in memory, recall 0.9846 against 0.9807): those cells cut the clusters apart, so every row
 lay near a border. K-means cells follow the clusters, and 31% of the rows were shared:
 `bench_out_of_core.py` took 27.3 s against 10.6 s, recall 0.9771 (benchmarks/README.md,
-"K-means cells"); the recall depends on the plan's random sample: 0.9644-0.9771 over three seeds
-(in memory 0.9807; "After the planning fixes, and across seeds").
+"K-means cells"). With one centre per 64 rows (ROWS_PER_CENTRE), three plan seeds recalled
+0.9749, 0.9789 and 0.9763 against 0.9799, 0.9789 and 0.9791 in memory, in 2.56-2.76x its time
+(10 000 queries; "Centres as landing sites").
 
 The result is one graph over all rows, on the host (or wherever ``data`` is), searched as any
 other: a graph of 100M rows is 19.2 GB of int32 at the default degree 48.
@@ -59,8 +60,22 @@ CELLS_PER_SHARD = 32
 # the rule here gives about 8.8k there, a count not measured); at list 16,
 # 20k x 64 in 5 and 13 shards (CPU), all queries: 0.890 and 0.984 with one centre per cell,
 # 0.996 and 0.997 with four, as when half the rows were shared.
+# The centres are also where edges land that cross between shards: a row's shard holds every
+# centre, so the row links to centres of regions that other shards own, and a search reaches such
+# a region through them. What a sharded build loses is queries whose region holds no hub, whose
+# walk from the nearest hubs never arrives (10M x 1024 clustered rows in 8 GB, 2000 queries:
+# every query that found none of its cluster, 24 against 3 for the whole build, was in a cluster
+# without a hub, and edges into a cluster from rows of other shards numbered a median 1424
+# against 3399 in the whole build). A region's centres set how many such edges it can get: over
+# three plan seeds, one centre per 128 rows recalled 0.9746 / 0.9754 / 0.9725 (24.5-26.2 s), per
+# 64 0.9736 / 0.9778 / 0.9798 (27.0-27.3 s), per 32 0.9801 / 0.9800 / 0.9778 (30.2-32.2 s),
+# against 0.9804 in memory (10.5 s); on 4M x 128 rows in 1 GB (seeds 0 and 1), Zipf-sized
+# clusters 0.7565 / 0.7484, 0.7667 / 0.7560 and 0.7684 / 0.7780 (0.7715 in memory), blobs the
+# same for all three, and anisotropic rows 0.5571 / 0.5597, 0.5514 / 0.5626 and 0.5361 / 0.5421:
+# centres take the places of shared rows, so 32 shared fewer (one H100, benchmarks/README.md,
+# "Centres as landing sites").
 CENTRES_PER_CELL = 4
-ROWS_PER_CENTRE = 128
+ROWS_PER_CENTRE = 64
 # The most shards a plan may have: each owns at least this share of the rows that fit. It also
 # sets the number of cells (CELLS_PER_SHARD for each of that many shards).
 PRIMARY_SHARE = 0.5
