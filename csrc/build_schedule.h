@@ -64,13 +64,13 @@ inline int64_t start_split(int64_t init_split, int64_t n) {
 // graphs) neither is a pair of two rows of v's own graph: rows of v's own graph reach v only when
 // rows of the other graph hand them on, and comparing them with v's own entries redoes pruning
 // that v's own build did, while what the merge must find is how the other graph's rows sit among
-// them. Seed 003's GGM
-// compares only pairs across the two graphs; that lost recall here (rows kept entries of the
-// other graph that cover each other), skipping only v's own graph's pairs did not: on the CPU a
-// merge of two halves computed 20-26% fewer distances at a recall@10 at most 0.0016 below the
-// merge that compares them, or above it (clustered 100k x 64 and 200k x 32, anisotropic Gaussian
-// 100k x 48 and x 96); on one H100 clustered 10M x 128 halves merged in 56% of a fresh build's
-// time instead of 60-62% (benchmarks/README.md, "A merge leaves pairs of a row's own graph alone").
+// them. Seed 003's GGM compares only pairs across the two graphs; that lost recall here (rows
+// kept entries of the other graph that cover each other), skipping only v's own graph's pairs
+// did not: on the CPU a merge of two halves computed 20-26% fewer distances at a recall@10 at
+// most 0.0016 below the merge that compares them, or above it (clustered 100k x 64 and 200k x 32,
+// anisotropic Gaussian 100k x 48 and x 96); on one H100 clustered 10M x 128 halves merged in 56%
+// of a fresh build's time instead of 60-62% (benchmarks/README.md, "A merge leaves pairs of a
+// row's own graph alone").
 GRNND_HOST_DEVICE bool compares_pair(int64_t v, int64_t a, bool a_new, int64_t b, bool b_new, int64_t split) {
   if (!a_new && !b_new) return false;
   if (split == 0) return true;
