@@ -44,10 +44,9 @@ at::Tensor hub_ids(int64_t n, const at::TensorOptions& options);
 // Scores are made for chunks of rows of at most max_scores floats. The time goes to writing the
 // scores and reading them back, not to the product, but chunks small enough for their scores to
 // stay in L2 are slower still (a one-off script on one H100, not kept: 10M x 128 half rows
-// against 10 000 hubs, a product and a
-// pass over its scores took 0.32 s at 2^26 floats a chunk, 0.42 s at 2^23, 0.66 s at 2^22 and
-// 1.93 s at 2^21; 10M x 1024: 0.58, 0.57, 0.70, 1.61 s). Only a product that selects as it goes
-// would save that traffic.
+// against 10 000 hubs, a product and a pass over its scores took 0.32 s at 2^26 floats a chunk,
+// 0.42 s at 2^23, 0.66 s at 2^22 and 1.93 s at 2^21; 10M x 1024: 0.58, 0.57, 0.70, 1.61 s).
+// Only a product that selects as it goes would save that traffic.
 constexpr int64_t kScoreBudget = int64_t{1} << 26;  // 256 MiB
 at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t k, Metric metric,
                         const at::Tensor& rows_lift = at::Tensor(), const at::Tensor& hubs_lift = at::Tensor(),
