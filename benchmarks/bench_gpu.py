@@ -3,6 +3,11 @@
     python benchmarks/bench_gpu.py --data clustered:n=1000000,d=128,clusters=1000,queries=10000 --out DIR
     python benchmarks/bench_gpu.py --data .data/text/embeddings.pt --ablation --out DIR
     python benchmarks/bench_gpu.py --data .data/text/embeddings.pt:pca=128 --small-batches --out DIR
+    python benchmarks/bench_gpu.py --data zipf:2000000x128 --out DIR
+
+--data: clustered blobs (``clustered:n=,d=,clusters=,queries=``), one of bench_scale.py's families
+made on the GPU with 10 000 queries (``blobs:NxD``, ``zipf:NxD``, ``aniso:NxD``), or a file of
+embeddings (``path[:pca=D]``).
 
 Measures (CUDA events, after a warm-up; extension compile excluded):
   - plain PyTorch brute force (x_norm - 2 q @ X.T + topk) at float32 / float16: QPS and recall@10;
@@ -44,6 +49,12 @@ def cuda_time(fn, repeat: int = 1):
 
 
 def load_data(spec: str, device: str):
+    family, _, shape = spec.partition(":")
+    if family in ("blobs", "zipf", "aniso"):  # bench_scale.py's families: "zipf:2000000x128"
+        from benchmarks.bench_scale import make_set  # bench_scale imports this module
+        n, d = (int(v) for v in shape.split("x"))
+        base, queries = make_set(family, n, d, queries=10_000)
+        return f"{family}-{n // 1000}k-d{d}", base.to(device), queries.to(device), None
     if spec.startswith("clustered"):
         kv = dict(item.split("=", 1) for item in spec.partition(":")[2].split(",") if item)
         n, d = int(kv.get("n", 1_000_000)), int(kv.get("d", 128))

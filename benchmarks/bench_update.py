@@ -123,13 +123,16 @@ def deletes(base, queries, device) -> dict:
             "fresh_recall": recall(fresh, queries, truth)}
 
 
-def setup(description: str, data: str):
-    """The command line of the update benchmarks (--data, --device, --out), the data loaded
-    (float32 on the CPU) and a warm-up build: ``(args, device, name, base, queries)``."""
+def setup(description: str, data: str, arguments=None):
+    """The command line of the update benchmarks (--data, --device, --out, and whatever
+    ``arguments(parser)`` adds), the data loaded (float32 on the CPU) and a warm-up build:
+    ``(args, device, name, base, queries)``."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=data)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="benchmarks/results")
+    if arguments is not None:
+        arguments(p)
     args = p.parse_args()
     device = torch.device(args.device)
     name, base, queries, _ = load_data(args.data, device)
