@@ -138,7 +138,10 @@ def setup(description: str, data: str, arguments=None):
     name, base, queries, _ = load_data(args.data, device)
     if device.type == "cpu":
         base, queries = base.float(), queries.float()
-    grnnd.build(base[: min(50_000, base.shape[0])])  # warm-up
+    # Warm-up. On the GPU the first build of a size also grows the caching allocator's pool,
+    # which every later build finds ready: on one H100 a first build of 1M x 384 rows took 0.71 s
+    # against 0.47 s. So the whole data set is built once before anything is timed.
+    grnnd.build(base if device.type == "cuda" else base[: min(50_000, base.shape[0])])
     return args, device, name, base, queries
 
 
