@@ -5,8 +5,8 @@
     python benchmarks/bench_merge.py --device cpu --data clustered:n=40000,d=32,clusters=40,queries=1000
 
 Data as benchmarks/bench_gpu.py loads it. recall@10 at list 64 against exact neighbours
-(grnnd.knn); times are CUDA events on a GPU, wall clock on the CPU, each of one call after a
-fresh build of the whole set that is not timed. ``--settings``: merges with
+(grnnd.knn); times are CUDA events on a GPU (each of one call, after the untimed build of the
+whole set that bench_update.setup runs there), wall clock on the CPU. ``--settings``: merges with
 other settings beside the default one, ``;`` between merges, each a list of BuildParams fields
 (``inner_iters=6,update_order=ascending``) given to grnnd.merge. Writes merge_<name>.{json,md}
 under --out.
