@@ -67,6 +67,13 @@ at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t 
   // The lift term is rows_lift[r] * lift_coef[hub].
   const at::Tensor lift_coef = hubs_lift.defined() ? (-2.0f * hubs_lift.to(at::kFloat)).contiguous() : at::Tensor();
   at::Tensor out = at::empty({m, k}, rows.options().dtype(at::kLong));
+#ifdef GRNND_WITH_CUDA
+  if (m > 0 && fused_nearest_hubs_apply(rows, hubs, k)) {
+    const at::Tensor row_lift = rows_lift.defined() ? rows_lift.to(at::kFloat).contiguous() : at::Tensor();
+    nearest_hubs_fused_cuda(rows, hubs, weight.contiguous(), bias.contiguous(), row_lift, lift_coef, out);
+    return out;
+  }
+#endif
   const int64_t chunk = std::max<int64_t>(1, max_scores / std::max<int64_t>(h, 1));
   for (int64_t start = 0; start < m; start += chunk) {
     const int64_t end = std::min(m, start + chunk);

@@ -46,7 +46,7 @@ at::Tensor hub_ids(int64_t n, const at::TensorOptions& options);
 // stay in L2 are slower still (a one-off script on one H100, not kept: 10M x 128 half rows
 // against 10 000 hubs, a product and a pass over its scores took 0.32 s at 2^26 floats a chunk,
 // 0.42 s at 2^23, 0.66 s at 2^22 and 1.93 s at 2^21; 10M x 1024: 0.58, 0.57, 0.70, 1.61 s).
-// Only a product that selects as it goes would save that traffic.
+// A product that selects as it goes saves that traffic (below, nearest_hubs_fused_cuda).
 constexpr int64_t kScoreBudget = int64_t{1} << 26;  // 256 MiB
 at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t k, Metric metric,
                         const at::Tensor& rows_lift = at::Tensor(), const at::Tensor& hubs_lift = at::Tensor(),
@@ -62,6 +62,25 @@ constexpr int64_t kMaxFusedHubK = 64;
 // among equal scores.
 void smallest_scores_cuda(const at::Tensor& dots, const at::Tensor& weight, const at::Tensor& bias,
                           const at::Tensor& row_lift, const at::Tensor& lift_coef, at::Tensor& out);
+
+// On CUDA, half-precision rows (float16, bfloat16; d a multiple of 8 and at most
+// kMaxFusedProductDim, 16-byte aligned) whose k nearest hubs are few (k <= kMaxFusedProductK, the
+// build's cells) and many enough to fill the GPU skip the score matrix: one kernel multiplies and
+// selects (csrc/cuda/hubs_cuda.cu). Same ranking, same order among equal scores; out [m, k] int64
+// contiguous; weight, bias, row_lift, lift_coef as in smallest_scores_cuda. On one H100
+// (benchmarks/bench_hubs.py): the two nearest of 10 000 hubs for 10M x 128 rows in 0.16 s, where
+// the score matrix had taken 0.33 s inside a build (torch.profiler: 0.16 s the product, 0.17 s
+// the selection) and plain PyTorch takes 2.24 s. Wider rows gain less, as the product outweighs
+// the scores' traffic: 4M x 384 against 4000 hubs 0.060 s against 0.089 s for three hubs through
+// the score matrix; at 10M x 1024 the fused kernel took 1.05 s against 0.72 s (cuBLAS multiplies
+// faster; a one-off run). Times of the form a + b d per (row, hub) pair put the crossing near
+// d = 600, hence the bound.
+constexpr int64_t kMaxFusedProductK = 2;
+constexpr int64_t kMaxFusedProductDim = 512;
+bool fused_nearest_hubs_apply(const at::Tensor& rows, const at::Tensor& hubs, int64_t k);
+void nearest_hubs_fused_cuda(const at::Tensor& rows, const at::Tensor& hubs, const at::Tensor& weight,
+                             const at::Tensor& bias, const at::Tensor& row_lift, const at::Tensor& lift_coef,
+                             at::Tensor& out);
 
 // The build's partition of n rows into the cells of their nearest hub.
 struct Cells {

@@ -78,6 +78,10 @@ def hubs_and_repair(g: torch.Generator):
     for dtype, metric in [(torch.float16, "l2"), (torch.float32, "ip"), (torch.float32, "cosine")]:
         for k in (1, 5, 20, 64, 70):
             grnnd.diagnostics.nearest_hubs(many.to(dtype), many[-33:].to(dtype), k, metric=metric)
+    # 70 000 half-precision rows for one or two hubs: the fused product (a partial block and tile).
+    for dtype, metric in [(torch.float16, "l2"), (torch.bfloat16, "cosine")]:
+        for k in (1, 2):
+            grnnd.diagnostics.nearest_hubs(many.to(dtype), many.to(dtype), k, metric=metric)
 
 
 def segments(g: torch.Generator):

@@ -24,6 +24,16 @@ def islands(n: int, d: int, count: int, size: int, seed: int = 0) -> torch.Tenso
     return torch.cat([cloud, far])[torch.randperm(n + count * size, generator=g)]
 
 
+def hub_scores(hubs: torch.Tensor, queries: torch.Tensor, metric: str) -> torch.Tensor:
+    """[q, h] float64: how far each hub is from each query under the metric, smaller nearer."""
+    h, q = hubs.double(), queries.double()
+    if metric == "l2":
+        return torch.cdist(q, h).pow(2)
+    if metric == "ip":
+        return -q @ h.T
+    return 1 - torch.nn.functional.normalize(q, dim=1) @ torch.nn.functional.normalize(h, dim=1).T
+
+
 def test_hubs_are_one_row_per_stratum():
     assert grnnd.diagnostics.hubs(torch.empty(15_999, 2)).numel() == 0  # too small: random starts
     for n in (16_000, 123_457):
@@ -45,13 +55,7 @@ def test_nearest_hubs_rank_hubs_as_the_metric_does(device, metric, dtype):
     data = (torch.randn(80_000, 24, generator=g) * torch.rand(80_000, 1, generator=g)).to(device, dtype)
     queries = torch.randn(700, 24, generator=g).to(device, dtype)
     hubs = grnnd.diagnostics.hubs(data)
-    h, q = data[hubs].double(), queries.double()
-    if metric == "l2":
-        score = torch.cdist(q, h).pow(2)
-    elif metric == "ip":
-        score = -q @ h.T
-    else:
-        score = 1 - torch.nn.functional.normalize(q, dim=1) @ torch.nn.functional.normalize(h, dim=1).T
+    score = hub_scores(data[hubs], queries, metric)
     exact = score.sort(dim=1).values
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     for k in (1, 2, 5, 32, 64, 70):
@@ -64,6 +68,33 @@ def test_nearest_hubs_rank_hubs_as_the_metric_does(device, metric, dtype):
         got = score.gather(1, position)
         assert (got - exact[:, :k]).abs().max() <= tolerance * exact.abs().max()
     assert grnnd.diagnostics.nearest_hubs(data[:15_000], queries, 4).shape == (700, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused product is a CUDA kernel")
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_nearest_hubs_select_as_the_score_matrix_does(metric, dtype):
+    # Batches of half-precision rows large enough to fill the GPU, for one or two hubs, take the
+    # fused product (csrc/cuda/hubs_cuda.cu); three hubs go through the score matrix. 40 001 rows
+    # end in a partial block, 300 hubs in a partial tile, d = 40 in a partial stage.
+    g = torch.Generator().manual_seed(5)
+    data = (torch.randn(300_000, 40, generator=g) * torch.rand(300_000, 1, generator=g)).cuda().to(dtype)
+    queries = torch.randn(40_001, 40, generator=g).cuda().to(dtype)
+    hubs = grnnd.diagnostics.hubs(data)
+    assert hubs.numel() == 300
+    score = hub_scores(data[hubs], queries, metric)
+    exact = score.sort(dim=1).values
+    matrix = grnnd.diagnostics.nearest_hubs(data, queries, 3, metric=metric)
+    for k in (1, 2):
+        ids = grnnd.diagnostics.nearest_hubs(data, queries, k, metric=metric)
+        assert ids.shape == (40_001, k) and ids.dtype == torch.int64
+        position = torch.searchsorted(hubs, ids)
+        assert torch.equal(hubs[position], ids), "an id that is no hub"
+        got = score.gather(1, position)
+        assert (got - exact[:, :k]).abs().max() <= 5e-2 * exact.abs().max()
+        # Both ways sum the same products in float32, in other orders: only near ties may differ.
+        agree = (ids == matrix[:, :k]).all(dim=1).double().mean().item()
+        assert agree >= 0.999, f"{agree:.4f} of the rows chose as the score matrix does"
 
 
 @pytest.mark.parametrize("device", DEVICES)

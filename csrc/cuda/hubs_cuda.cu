@@ -1,18 +1,28 @@
-// Nearest hubs from a chunk of dot products on the GPU (hubs.h, smallest_scores_cuda): the
-// score of every (row, hub) pair and the selection of the k smallest per row in one pass.
+// Nearest hubs on the GPU (hubs.h): the selection of the k smallest scores of each row, from a
+// chunk of dot products (smallest_scores_cuda) or straight from the rows and hubs, the scores
+// never leaving registers (nearest_hubs_fused_cuda).
 //
-// Why: the build assigns all N rows to their two nearest of N / 1000 hubs, an [N, N / 1000]
-// score matrix made chunk by chunk. Scaling it, adding the hub terms and selecting with
-// at::topk read and wrote that matrix four times over, and the radix select of at::topk is made
-// for large k: at 4M x 384 rows (H100) the scaling and selection took 0.37 s of a 1.9 s build,
-// and they grow as N^2. Here each row is read once: a warp per row, each lane keeping the k
-// smallest of its columns in registers, then k warp-wide minimum reductions merge the lanes.
+// Why the selection: the build assigns all N rows to their two nearest of N / 1000 hubs, an
+// [N, N / 1000] score matrix made chunk by chunk. Scaling it, adding the hub terms and selecting
+// with at::topk read and wrote that matrix four times over, and the radix select of at::topk is
+// made for large k: at 4M x 384 rows (H100) the scaling and selection took 0.37 s of a 1.9 s
+// build, and they grow as N^2. Here each row is read once: a warp per row, each lane keeping the
+// k smallest of its columns in registers, then k warp-wide minimum reductions merge the lanes.
+//
+// Why the fused product: even read once, the scores are written by the matrix product and read
+// back, 4 bytes per (row, hub) pair each way: 10M x 128 float16 rows against 10 000 hubs took
+// 0.33 s of a 3.7 s build (0.16 s the product, 0.17 s the selection, one H100), the product
+// itself a few hundredths of that. The fused kernel multiplies a tile of 128 rows with a tile of
+// 128 hubs on tensor cores (mma.sync m16n8k16, float32 accumulation, as at::mm does for half
+// rows) and each thread folds the scores it holds into its rows' k smallest right away.
 #include <cstdint>
+#include <type_traits>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 
 #include "../hubs.h"
 
@@ -26,6 +36,25 @@ constexpr int kWarpsPerBlock = 8;
 // (score, column) order: smaller score first, the lower column among equal scores.
 __device__ __forceinline__ bool before(float a, int32_t ca, float b, int32_t cb) {
   return a < b || (a == b && ca < cb);
+}
+
+// (score, column) into a list of K kept ascending by `before`.
+template <int K>
+__device__ __forceinline__ void keep_smallest(float (&best)[K], int32_t (&column)[K], float score, int32_t c) {
+  if (!before(score, c, best[K - 1], column[K - 1])) return;
+  best[K - 1] = score;
+  column[K - 1] = c;
+#pragma unroll
+  for (int j = K - 1; j > 0; --j) {
+    if (before(best[j], column[j], best[j - 1], column[j - 1])) {
+      const float s = best[j];
+      best[j] = best[j - 1];
+      best[j - 1] = s;
+      const int32_t u = column[j];
+      column[j] = column[j - 1];
+      column[j - 1] = u;
+    }
+  }
 }
 
 // out[r, 0..k) = columns of the k smallest weight[c] * dots[r, c] + bias[c]
@@ -51,20 +80,7 @@ __global__ void __launch_bounds__(kWarp * kWarpsPerBlock)
   for (int32_t c = lane; c < h; c += kWarp) {
     float score = fmaf(weight[c], row[c], bias[c]);
     if (row_lift != nullptr) score = fmaf(lift, lift_coef[c], score);
-    if (!before(score, c, best[K - 1], column[K - 1])) continue;
-    best[K - 1] = score;
-    column[K - 1] = c;
-#pragma unroll
-    for (int j = K - 1; j > 0; --j) {
-      if (before(best[j], column[j], best[j - 1], column[j - 1])) {
-        const float t = best[j];
-        best[j] = best[j - 1];
-        best[j - 1] = t;
-        const int32_t u = column[j];
-        column[j] = column[j - 1];
-        column[j - 1] = u;
-      }
-    }
+    keep_smallest<K>(best, column, score, c);
   }
   // Merge: k times, the warp's smallest head is taken and its lane moves on to its next entry.
   // A column lives in one lane only, so exactly one lane owns the winner.
@@ -106,6 +122,270 @@ void launch(const at::Tensor& dots, const at::Tensor& weight, const at::Tensor& 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+
+// ---- The fused product ----------------------------------------------------------------------
+//
+// A block of 8 warps takes 128 rows and walks all hubs 128 at a time, 32 coordinates a stage,
+// with kFusedStages - 1 stages of copies (cp.async) in flight behind the one being multiplied.
+// Warp w computes rows 32 (w % 4) .. +32 against hubs 64 (w / 4) .. +64 of the tile: 2 x 8 mma
+// tiles of 16 x 8. A thread's accumulators hold rows g, g + 8, g + 16, g + 24 of its warp's 32
+// (g = lane / 4) and, of each mma tile, columns 2t and 2t + 1 (t = lane % 4) (PTX ISA, "Matrix
+// fragments for mma.m16n8k16"), so each thread keeps the k smallest of the columns it sees for
+// each of its four rows; at the end the four lanes of a row and the two warps of a row merge
+// theirs.
+constexpr int kFusedRows = 128;   // rows a block
+constexpr int kFusedHubs = 128;   // hubs a tile
+constexpr int kFusedDepth = 32;   // coordinates a stage
+constexpr int kFusedStride = kFusedDepth + 8;  // shared row stride in elements: 80 bytes, so
+                                               // the fragments' 32-bit loads hit 32 banks
+constexpr int kFusedStages = 4;
+constexpr int kFusedThreads = 256;
+constexpr int kFusedSlots = 4;    // rows a thread holds
+constexpr size_t kFusedStageBytes = static_cast<size_t>(kFusedRows + kFusedHubs) * kFusedStride * sizeof(uint16_t);
+constexpr size_t kFusedSharedBytes = kFusedStages * kFusedStageBytes;  // 80 KiB: two blocks an SM
+
+template <typename T>
+__device__ __forceinline__ void mma_16x8x16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, at::Half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#else
+  __trap();  // the host launches this kernel on compute capability 8.0 and above only
+#endif
+}
+
+// 16 bytes from global to shared memory without passing through registers; zeros where !valid.
+__device__ __forceinline__ void copy_16_bytes(void* to, const void* from, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(to));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(from), "r"(valid ? 16 : 0));
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void copies_committed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Waits until at most PENDING committed groups of this thread's copies are still in flight.
+template <int PENDING>
+__device__ __forceinline__ void copies_landed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+#endif
+}
+
+// weight, bias (and lift_coef) are padded to whole tiles, the padding's bias +inf: no column
+// past h is ever kept, and the epilogue needs no bounds test.
+template <typename T, int K, bool LIFT>
+__global__ void __launch_bounds__(kFusedThreads, 2)
+    fused_nearest_kernel(const T* __restrict__ rows, int64_t m, const T* __restrict__ hubs, int32_t h, int d,
+                         const float* __restrict__ weight, const float* __restrict__ bias,
+                         const float* __restrict__ row_lift, const float* __restrict__ lift_coef, int k,
+                         int64_t* __restrict__ out) {
+  static_assert(sizeof(T) == 2, "the fused product takes 16-bit rows");
+  // Elements as raw 16-bit words (at::Half and at::BFloat16 have constructors): stage s holds
+  // row_tile(s) [kFusedRows][kFusedStride], then hub_tile(s) [kFusedHubs][kFusedStride].
+  extern __shared__ __align__(16) uint16_t stage_memory[];
+  const auto row_tile = [&](int stage) { return stage_memory + stage * (kFusedStageBytes / sizeof(uint16_t)); };
+  const auto hub_tile = [&](int stage) { return row_tile(stage) + kFusedRows * kFusedStride; };
+  __shared__ float merge_best[kFusedRows][K];
+  __shared__ int32_t merge_column[kFusedRows][K];
+
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  const int g = lane / 4, t = lane % 4;
+  const int warp_row = 32 * (warp % 4), warp_hub = 64 * (warp / 4);
+  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kFusedRows;
+
+  // Stage `it` of the walk: hub tile it / depth_steps, coordinates (it % depth_steps) * 32 on.
+  // Each thread copies 2 of the 512 16-byte pieces of each operand; pieces past the rows, the
+  // hubs or the coordinates (d is a multiple of 8) are zeros. Past the last stage a thread
+  // commits an empty group, so that group i is always stage i.
+  const int depth_steps = (d + kFusedDepth - 1) / kFusedDepth;
+  const int64_t stages = static_cast<int64_t>((h + kFusedHubs - 1) / kFusedHubs) * depth_steps;
+  const auto load_stage = [&](int64_t it) {
+    if (it < stages) {
+      const int64_t first_hub = (it / depth_steps) * kFusedHubs;
+      const int depth = static_cast<int>(it % depth_steps) * kFusedDepth;
+      uint16_t* row_to = row_tile(static_cast<int>(it % kFusedStages));
+      uint16_t* hub_to = hub_tile(static_cast<int>(it % kFusedStages));
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int piece = tid + i * kFusedThreads;
+        const int r = piece / 4, at = (piece % 4) * 8, col = depth + at;
+        const int64_t row = first_row + r, hub = first_hub + r;
+        const bool row_valid = col < d && row < m, hub_valid = col < d && hub < h;
+        copy_16_bytes(row_to + r * kFusedStride + at, row_valid ? rows + row * d + col : rows, row_valid);
+        copy_16_bytes(hub_to + r * kFusedStride + at, hub_valid ? hubs + hub * d + col : hubs, hub_valid);
+      }
+    }
+    copies_committed();
+  };
+
+  float best[kFusedSlots][K];
+  int32_t column[kFusedSlots][K];
+  float lift[kFusedSlots];
+#pragma unroll
+  for (int s = 0; s < kFusedSlots; ++s) {
+    const int64_t row = first_row + warp_row + 8 * s + g;
+    lift[s] = LIFT && row < m ? row_lift[row] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      best[s][j] = INFINITY;
+      column[s][j] = INT32_MAX;
+    }
+  }
+  float acc[2][8][4];
+#pragma unroll
+  for (int s = 0; s + 1 < kFusedStages; ++s) load_stage(s);
+  for (int64_t it = 0; it < stages; ++it) {
+    if (it % depth_steps == 0) {  // a new tile of hubs
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+    }
+    // Stage it has landed for every thread, and every warp is done with stage it - 1, whose
+    // buffer the copies of stage it + kFusedStages - 1 refill.
+    copies_landed<kFusedStages - 2>();
+    __syncthreads();
+    load_stage(it + kFusedStages - 1);
+    const uint16_t* row_from = row_tile(static_cast<int>(it % kFusedStages));
+    const uint16_t* hub_from = hub_tile(static_cast<int>(it % kFusedStages));
+#pragma unroll
+    for (int kk = 0; kk < kFusedDepth; kk += 16) {
+      uint32_t a[2][4], b[8][2];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const uint16_t* top = row_from + (warp_row + 16 * mt + g) * kFusedStride + kk + 2 * t;
+        const uint16_t* bottom = top + 8 * kFusedStride;
+        a[mt][0] = *reinterpret_cast<const uint32_t*>(top);
+        a[mt][1] = *reinterpret_cast<const uint32_t*>(bottom);
+        a[mt][2] = *reinterpret_cast<const uint32_t*>(top + 8);
+        a[mt][3] = *reinterpret_cast<const uint32_t*>(bottom + 8);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const uint16_t* hub = hub_from + (warp_hub + 8 * nt + g) * kFusedStride + kk + 2 * t;
+        b[nt][0] = *reinterpret_cast<const uint32_t*>(hub);
+        b[nt][1] = *reinterpret_cast<const uint32_t*>(hub + 8);
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) mma_16x8x16<T>(acc[mt][nt], a[mt], b[nt]);
+    }
+
+    if (it % depth_steps == depth_steps - 1) {
+      // The tile's dot products are complete: fold them into the rows' lists.
+      // A thread meets its columns in increasing order, so a strict comparison keeps the lower
+      // column among equal scores, as `before` does.
+      const int64_t first_hub = (it / depth_steps) * kFusedHubs + warp_hub + 2 * t;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t c = first_hub + 8 * nt + e;
+          const float w = __ldg(weight + c), b0 = __ldg(bias + c), coef = LIFT ? __ldg(lift_coef + c) : 0.0f;
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int s = 2 * mt + half;  // rows g + 8 s of the warp's 32
+              float score = fmaf(w, acc[mt][nt][2 * half + e], b0);
+              if (LIFT) score = fmaf(lift[s], coef, score);
+              if (score < best[s][K - 1]) keep_smallest<K>(best[s], column[s], score, static_cast<int32_t>(c));
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // The four lanes of a row (t = 0..3) merge their lists, then the two warps of a row.
+#pragma unroll
+  for (int s = 0; s < kFusedSlots; ++s) {
+#pragma unroll
+    for (int offset = 1; offset <= 2; offset *= 2) {
+      float theirs[K];
+      int32_t their_column[K];
+#pragma unroll
+      for (int j = 0; j < K; ++j) {
+        theirs[j] = __shfl_xor_sync(0xffffffffu, best[s][j], offset);
+        their_column[j] = __shfl_xor_sync(0xffffffffu, column[s][j], offset);
+      }
+#pragma unroll
+      for (int j = 0; j < K; ++j) keep_smallest<K>(best[s], column[s], theirs[j], their_column[j]);
+    }
+  }
+  if (warp_hub != 0 && t == 0) {
+#pragma unroll
+    for (int s = 0; s < kFusedSlots; ++s) {
+#pragma unroll
+      for (int j = 0; j < K; ++j) {
+        merge_best[warp_row + 8 * s + g][j] = best[s][j];
+        merge_column[warp_row + 8 * s + g][j] = column[s][j];
+      }
+    }
+  }
+  __syncthreads();
+  if (warp_hub != 0 || t != 0) return;
+#pragma unroll
+  for (int s = 0; s < kFusedSlots; ++s) {
+    const int r = warp_row + 8 * s + g;
+    const int64_t row = first_row + r;
+    if (row >= m) continue;
+#pragma unroll
+    for (int j = 0; j < K; ++j) keep_smallest<K>(best[s], column[s], merge_best[r][j], merge_column[r][j]);
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      if (j < k) out[row * k + j] = column[s][j];
+    }
+  }
+}
+
+template <typename T, int K, bool LIFT>
+void launch_fused(const at::Tensor& rows, const at::Tensor& hubs, const at::Tensor& weight, const at::Tensor& bias,
+                  const at::Tensor& row_lift, const at::Tensor& lift_coef, at::Tensor& out) {
+  const int64_t m = rows.size(0);
+  const unsigned blocks = static_cast<unsigned>((m + kFusedRows - 1) / kFusedRows);
+  const auto kernel = fused_nearest_kernel<T, K, LIFT>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(kFusedSharedBytes)));
+  kernel<<<blocks, kFusedThreads, kFusedSharedBytes, c10::cuda::getCurrentCUDAStream(rows.device().index())>>>(
+      rows.data_ptr<T>(), m, hubs.data_ptr<T>(), static_cast<int32_t>(hubs.size(0)), static_cast<int>(rows.size(1)),
+      weight.data_ptr<float>(), bias.data_ptr<float>(), LIFT ? row_lift.data_ptr<float>() : nullptr,
+      LIFT ? lift_coef.data_ptr<float>() : nullptr, static_cast<int>(out.size(1)), out.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int K>
+void launch_fused_lifted_or_not(const at::Tensor& rows, const at::Tensor& hubs, const at::Tensor& weight,
+                                const at::Tensor& bias, const at::Tensor& row_lift, const at::Tensor& lift_coef,
+                                at::Tensor& out) {
+  if (row_lift.defined()) {
+    launch_fused<T, K, true>(rows, hubs, weight, bias, row_lift, lift_coef, out);
+  } else {
+    launch_fused<T, K, false>(rows, hubs, weight, bias, row_lift, lift_coef, out);
+  }
+}
+
 }  // namespace
 }  // namespace cuda
 
@@ -127,6 +407,50 @@ void smallest_scores_cuda(const at::Tensor& dots, const at::Tensor& weight, cons
     cuda::launch<32>(dots, weight, bias, row_lift, lift_coef, out);
   } else {
     cuda::launch<kMaxFusedHubK>(dots, weight, bias, row_lift, lift_coef, out);
+  }
+}
+
+bool fused_nearest_hubs_apply(const at::Tensor& rows, const at::Tensor& hubs, int64_t k) {
+  const auto type = rows.scalar_type();
+  if (!rows.is_cuda() || (type != at::kHalf && type != at::kBFloat16) || hubs.scalar_type() != type) return false;
+  if (k > kMaxFusedProductK || rows.size(1) % 8 != 0 || rows.size(1) > kMaxFusedProductDim) return false;
+  if (!rows.is_contiguous() || !hubs.is_contiguous()) return false;
+  if (reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 != 0 || reinterpret_cast<uintptr_t>(hubs.data_ptr()) % 16 != 0)
+    return false;
+  if (hubs.size(0) >= INT32_MAX || rows.size(1) >= INT32_MAX) return false;
+  const c10::cuda::CUDAGuard guard(rows.device());
+  int major = 0, sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, rows.device().index()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, rows.device().index()));
+  // A block takes 128 rows and every hub: a batch of a few thousand queries would leave most
+  // SMs idle, where a matrix product and the selection keep them all busy.
+  const int64_t blocks = (rows.size(0) + cuda::kFusedRows - 1) / cuda::kFusedRows;
+  return major >= 8 && blocks >= 2 * static_cast<int64_t>(sms);
+}
+
+void nearest_hubs_fused_cuda(const at::Tensor& rows, const at::Tensor& hubs, const at::Tensor& weight,
+                             const at::Tensor& bias, const at::Tensor& row_lift, const at::Tensor& lift_coef,
+                             at::Tensor& out) {
+  TORCH_CHECK(fused_nearest_hubs_apply(rows, hubs, out.size(1)) && out.is_contiguous() &&
+                  out.size(0) == rows.size(0) && out.size(1) >= 1 && out.size(1) <= hubs.size(0),
+              "nearest_hubs_fused_cuda: called outside fused_nearest_hubs_apply or with a bad output ", out.sizes());
+  TORCH_CHECK(row_lift.defined() == lift_coef.defined(), "nearest_hubs_fused_cuda: a lift needs both its terms");
+  const c10::cuda::CUDAGuard guard(rows.device());
+  // The hub terms padded to whole tiles (the kernel's columns past h score +inf).
+  const int64_t h = hubs.size(0), padding = (cuda::kFusedHubs - h % cuda::kFusedHubs) % cuda::kFusedHubs;
+  const auto padded = [&](const at::Tensor& terms, double value) {
+    return at::constant_pad_nd(terms.to(at::kFloat).contiguous(), {0, padding}, value).contiguous();
+  };
+  const at::Tensor w = padded(weight, 0.0), b = padded(bias, INFINITY);
+  const at::Tensor coef = lift_coef.defined() ? padded(lift_coef, 0.0) : at::Tensor();
+  const at::Tensor lift = row_lift.defined() ? row_lift.to(at::kFloat).contiguous() : at::Tensor();
+  const bool one = out.size(1) == 1;
+  if (rows.scalar_type() == at::kHalf) {
+    one ? cuda::launch_fused_lifted_or_not<at::Half, 1>(rows, hubs, w, b, lift, coef, out)
+        : cuda::launch_fused_lifted_or_not<at::Half, kMaxFusedProductK>(rows, hubs, w, b, lift, coef, out);
+  } else {
+    one ? cuda::launch_fused_lifted_or_not<at::BFloat16, 1>(rows, hubs, w, b, lift, coef, out)
+        : cuda::launch_fused_lifted_or_not<at::BFloat16, kMaxFusedProductK>(rows, hubs, w, b, lift, coef, out);
   }
 }
 
