@@ -82,6 +82,7 @@ def hubs_and_repair(g: torch.Generator):
     for dtype, metric in [(torch.float16, "l2"), (torch.bfloat16, "cosine")]:
         for k in (1, 2):
             grnnd.diagnostics.nearest_hubs(many.to(dtype), many.to(dtype), k, metric=metric)
+    grnnd.build(many.half(), metric="ip", outer_iters=1, inner_iters=1)  # the fused product with the lift
 
 
 def segments(g: torch.Generator):
