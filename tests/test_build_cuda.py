@@ -113,17 +113,20 @@ def test_initial_graph_matches_cpu(metric):
     assert same_rows(cpu, gpu) == 1.0
 
 
-@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("metric", ["l2", "ip"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_initial_graph_from_hub_cells_matches_cpu(metric, dtype):
     # 50 000 half-precision rows: the CUDA build finds each row's two nearest hubs with the fused
     # product (csrc/hubs.h; inner product through the lift), the CPU through float32 scores. The
     # draws then come from the same cells, so rows match but where rounding splits a near tie
-    # between two hubs.
+    # between two hubs. Not cosine: the CPU normalises its rows in float32, the GPU in their
+    # storage type, so rows near a cell border change cells whatever finds the hubs (the cells
+    # of cosine rows are the l2 cells of the normalised rows, the l2 case's kernel).
     data = clustered(50_000, 32, 500, seed=4).to(dtype)
     kw = dict(degree=16, initial_degree=16, pool_size=32, outer_iters=1, inner_iters=0, reverse_ratio=0.0,
               metric=metric, seed=7)
-    assert same_rows(grnnd.build(data, **kw), grnnd.build(data.cuda(), **kw)) >= 0.99
+    same = same_rows(grnnd.build(data, **kw), grnnd.build(data.cuda(), **kw))
+    assert same >= 0.99, f"{same:.4f} of the rows drew what the CPU drew"
 
 
 def test_reverse_edges_match_cpu():
