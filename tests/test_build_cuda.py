@@ -113,18 +113,15 @@ def test_initial_graph_matches_cpu(metric):
     assert same_rows(cpu, gpu) == 1.0
 
 
-@pytest.mark.parametrize("metric", ["l2", "ip"])
+@pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_initial_graph_from_hub_cells_matches_cpu(metric, dtype):
     # 50 000 half-precision rows: the CUDA build finds each row's two nearest hubs with the fused
     # product (csrc/hubs.h; inner product through the lift), the CPU through float32 scores. The
     # draws come from the same cells only if no row changes cells: a draw is a position in its
-    # cell's member list, so one row that moves shifts the draws of all who draw from its cells
-    # (measured on one H100: 0.99998 and 0.99996 of the rows drew alike for float16, l2 and ip).
-    # Not cosine: the CPU normalises rows in float32, the GPU in their storage type, and the
-    # rounding moves enough rows across borders that 0.19 (float16) of the rows drew alike, as
-    # against 1.0 for float32 rows and for the same unit float16 rows built as l2. The cells of
-    # cosine rows are the l2 cells of the normalised rows: the l2 case's kernel.
+    # cell's member list, so one row that moves shifts the draws of all who draw from its cells.
+    # Cosine rows are normalised in their storage type on both devices for that reason
+    # (csrc/cpu/vectors_cpu.h, prepare_build_vectors).
     data = clustered(50_000, 32, 500, seed=4).to(dtype)
     kw = dict(degree=16, initial_degree=16, pool_size=32, outer_iters=1, inner_iters=0, reverse_ratio=0.0,
               metric=metric, seed=7)

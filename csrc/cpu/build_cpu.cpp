@@ -295,7 +295,7 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
                                           std::string(update_order), std::string(metric), seed, delta,
                                           std::string(start));
   const int64_t n = data.size(0);
-  const at::Tensor x = prepare_vectors(data, p.metric);
+  const at::Tensor x = prepare_build_vectors(data, p.metric);
   VectorSet vectors{x.data_ptr<float>(), x.size(1), p.metric};
   const at::Tensor lift = inner_product_lift(x, p.metric);
   if (lift.defined()) vectors.lift = lift.data_ptr<float>();
@@ -356,7 +356,7 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
 TORCH_LIBRARY_IMPL(grnnd, CPU, m) {
   m.impl("build", &build_cpu);
   m.impl("connect", [](const at::Tensor& data, const at::Tensor& graph, c10::string_view metric) {
-    return connected_copy(data, graph, metric, prepare_vectors(data, parse_metric(std::string(metric))));
+    return connected_copy(data, graph, metric, prepare_build_vectors(data, parse_metric(std::string(metric))));
   });
 }
 

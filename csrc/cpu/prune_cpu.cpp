@@ -96,7 +96,7 @@ at::Tensor prune_rows_cpu(const at::Tensor& data, const at::Tensor& vertices, co
                           int64_t degree, c10::string_view metric_name, bool rule, int64_t fixed, bool shrink) {
   check_prune_inputs(data, vertices, candidates, degree, fixed, shrink);
   const Metric metric = parse_metric(std::string(metric_name));
-  const at::Tensor x = prepare_vectors(data, metric);
+  const at::Tensor x = prepare_build_vectors(data, metric);
   VectorSet vectors{x.data_ptr<float>(), x.size(1), metric};
   const at::Tensor lift = inner_product_lift(x, metric);
   if (lift.defined()) vectors.lift = lift.data_ptr<float>();
