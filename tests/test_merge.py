@@ -121,6 +121,53 @@ def test_cuda_pools_start_as_on_the_cpu(halves):
         assert (cpu == gpu).all(1).float().mean() >= 0.9, split
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dim,dtype,metric,columns,least", [
+    (32, torch.float32, "l2", 32, 1.0),      # float32 rows: distances a team of lanes at a time
+    (800, torch.float32, "l2", 32, 1.0),
+    (36, torch.float16, "cosine", 32, 1.0),  # rows not of whole 16-byte chunks: the same
+    (36, torch.bfloat16, "l2", 32, 1.0),
+    (40, torch.float16, "ip", 32, 0.95),     # 16-bit rows of whole chunks: their Gram matrix
+    (64, torch.bfloat16, "l2", 32, 0.9),
+    (128, torch.float16, "cosine", 32, 0.95),
+    (64, torch.float16, "l2", 48, 0.95),     # more entries than the Gram path takes: teams
+])
+def test_cuda_start_keeps_what_the_cpu_keeps(dim, dtype, metric, columns, least):
+    # No rounds: each row is the init entries the rule keeps among themselves plus its draws, then
+    # the fill. The CUDA start finds the entries the rule keeps from their Gram matrix on tensor
+    # cores (16-bit rows of whole 16-byte chunks, at most 32 entries) or a distance at a time;
+    # either way it keeps what the CPU keeps, row for row, but where rounding decides near ties
+    # apart: the Gram matrix's float32 sums and the half-precision differences of the CUDA build's
+    # other distances (team_distance's HALF_DIFFERENCE, csrc/cuda/vectors_cuda.cuh). One H100
+    # matched 0.98-0.99 of the rows for float16 and 0.93 for bfloat16 (1.0 for float16 cosine),
+    # and with bfloat16 rows a distance at a time 0.90 (40 wide, inner product).
+    data = clustered(3000, dim, 30, seed=5).to(dtype)
+    init = torch.randint(-1, 3000, (3000, columns), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    # Uniform draws: they depend on the seed alone, where the cells of hubs depend on rounding too.
+    settings = dict(degree=24, initial_degree=8, pool_size=columns + 8, outer_iters=1, inner_iters=0,
+                    reverse_ratio=0.0, metric=metric, start="random")
+    for split in (0, 1000):
+        with one_thread():
+            cpu = grnnd.build(data, init=init, init_split=split, **settings)
+        gpu = grnnd.build(data.cuda(), init=init.cuda(), init_split=split, **settings).cpu()
+        same = (cpu == gpu).all(1).float().mean().item()
+        assert same >= least, (split, same)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_merge_searches_like_a_fresh_build(halves, dtype):
+    # 16-bit rows start the merge from the Gram matrix of each row's entries (csrc/cuda/build_cuda.cu).
+    data, queries, truth = (t.cuda() for t in halves)
+    data, queries = data.to(dtype), queries.to(dtype)
+    merged = grnnd.merge(grnnd.Index.build(data[:10_000]), grnnd.Index.build(data[10_000:]))
+    fresh = grnnd.Index.build(data)
+    got, want = recall(merged, queries, truth), recall(fresh, queries, truth)
+    assert got >= want - 0.005, (got, want)
+
+
 def test_a_merge_runs_one_outer_iteration_unless_told(halves):
     data = halves[0][:4000]
     a, b = grnnd.Index.build(data[:2000]), grnnd.Index.build(data[2000:])

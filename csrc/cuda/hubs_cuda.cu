@@ -25,6 +25,7 @@
 #include <cuda_runtime_api.h>
 
 #include "../hubs.h"
+#include "mma_cuda.cuh"
 
 namespace grnnd {
 namespace cuda {
@@ -143,27 +144,6 @@ constexpr int kFusedThreads = 256;
 constexpr int kFusedSlots = 4;    // rows a thread holds
 constexpr size_t kFusedStageBytes = static_cast<size_t>(kFusedRows + kFusedHubs) * kFusedStride * sizeof(uint16_t);
 constexpr size_t kFusedSharedBytes = kFusedStages * kFusedStageBytes;  // 80 KiB: two blocks an SM
-
-template <typename T>
-__device__ __forceinline__ void mma_16x8x16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<T, at::Half>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-#else
-  __trap();  // the host launches this kernel on compute capability 8.0 and above only
-#endif
-}
 
 // 16 bytes from global to shared memory without passing through registers; zeros where !valid.
 __device__ __forceinline__ void copy_16_bytes(void* to, const void* from, bool valid) {
@@ -419,13 +399,12 @@ bool fused_nearest_hubs_apply(const at::Tensor& rows, const at::Tensor& hubs, in
     return false;
   if (hubs.size(0) >= INT32_MAX || rows.size(1) >= INT32_MAX) return false;
   const c10::cuda::CUDAGuard guard(rows.device());
-  int major = 0, sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, rows.device().index()));
+  int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, rows.device().index()));
   // A block takes 128 rows and every hub: a batch of a few thousand queries would leave most
   // SMs idle, where a matrix product and the selection keep them all busy.
   const int64_t blocks = (rows.size(0) + cuda::kFusedRows - 1) / cuda::kFusedRows;
-  return major >= 8 && blocks >= 2 * static_cast<int64_t>(sms);
+  return blocks >= 2 * static_cast<int64_t>(sms) && cuda::has_tensor_core_mma(rows.device().index());
 }
 
 void nearest_hubs_fused_cuda(const at::Tensor& rows, const at::Tensor& hubs, const at::Tensor& weight,
