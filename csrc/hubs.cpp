@@ -69,8 +69,8 @@ at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t 
   at::Tensor out = at::empty({m, k}, rows.options().dtype(at::kLong));
 #ifdef GRNND_WITH_CUDA
   if (m > 0 && fused_nearest_hubs_apply(rows, hubs, k)) {
-    const at::Tensor row_lift = rows_lift.defined() ? rows_lift.to(at::kFloat).contiguous() : at::Tensor();
-    nearest_hubs_fused_cuda(rows, hubs, weight.contiguous(), bias.contiguous(), row_lift, lift_coef, out);
+    // It pads the hub terms to whole tiles and takes every term to contiguous float32 itself.
+    nearest_hubs_fused_cuda(rows, hubs, weight, bias, rows_lift, lift_coef, out);
     return out;
   }
 #endif
