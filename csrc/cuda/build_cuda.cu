@@ -208,8 +208,10 @@ __device__ __forceinline__ int64_t warp_vertex() {
 // (the merge 1.96 s against 2.03 s, recall@10 at list 64 0.9948 against 0.9950), of 1M x 384
 // halves 25 ms against 41 ms (0.26 s against 0.28 s). The walk stays for float32 rows, rows not
 // of whole 16-byte chunks and more than kGramEntries entries.
-constexpr int kGramEntries = 32;                 // entries the product covers: two 16-row tiles
-constexpr int kGramStride = kGramEntries + 1;  // words a row of the matrix in shared memory
+constexpr int kGramEntries = 32;  // entries the product covers: two 16-row tiles
+// Words a row of the matrix takes in shared memory. One more than a row holds, so that the eight
+// rows (g) whose values a fragment's lanes store at once start in different banks.
+constexpr int kGramStride = kGramEntries + 1;
 
 // Whether the start takes the Gram path: 16-bit rows of whole 16-byte chunks, at most
 // kGramEntries init entries, a GPU with mma.
