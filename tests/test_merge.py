@@ -129,7 +129,7 @@ def test_cuda_pools_start_as_on_the_cpu(halves):
     (36, torch.float16, "cosine", 32, 1.0),  # rows not of whole 16-byte chunks: the same
     (36, torch.bfloat16, "l2", 32, 1.0),
     (40, torch.float16, "ip", 32, 0.95),     # 16-bit rows of whole chunks: their Gram matrix
-    (64, torch.bfloat16, "l2", 32, 0.9),
+    (64, torch.bfloat16, "l2", 32, 0.85),
     (128, torch.float16, "cosine", 32, 0.95),
     (64, torch.float16, "l2", 48, 0.95),     # more entries than the Gram path takes: teams
 ])
@@ -139,9 +139,9 @@ def test_cuda_start_keeps_what_the_cpu_keeps(dim, dtype, metric, columns, least)
     # cores (16-bit rows of whole 16-byte chunks, at most 32 entries) or a distance at a time;
     # either way it keeps what the CPU keeps, row for row, but where rounding decides near ties
     # apart: the Gram matrix's float32 sums and the half-precision differences of the CUDA build's
-    # other distances (team_distance's HALF_DIFFERENCE, csrc/cuda/vectors_cuda.cuh). One H100
-    # matched 0.98-0.99 of the rows for float16 and 0.93 for bfloat16 (1.0 for float16 cosine),
-    # and with bfloat16 rows a distance at a time 0.90 (40 wide, inner product).
+    # other distances (team_distance's HALF_DIFFERENCE, csrc/cuda/vectors_cuda.cuh). On one H100
+    # the Gram path matched 0.98-0.99 of the rows for float16 (1.0 for cosine) and 0.92-0.93 for
+    # bfloat16; a distance at a time, bfloat16 rows 40 wide under inner product matched 0.90.
     data = clustered(3000, dim, 30, seed=5).to(dtype)
     init = torch.randint(-1, 3000, (3000, columns), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
     # Uniform draws: they depend on the seed alone, where the cells of hubs depend on rounding too.
