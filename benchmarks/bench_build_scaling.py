@@ -10,8 +10,6 @@ and the recall@10 of 1000 held-out queries searched at list 64, against exact re
 torch_grnnd.knn (exact; checked against faiss-cpu in tests/test_knn.py). Writes
 gpu_build_scaling.{json,md} under --out.
 """
-import argparse
-import json
 import os
 import sys
 
@@ -20,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
 from benchmarks.bench_gpu import cuda_time, load_data  # noqa: E402
-from benchmarks.report import machine, machine_line  # noqa: E402
+from benchmarks.report import sized_gpu_run  # noqa: E402
 
 POOL_SIZE = 48  # the build's default R, for the memory bound
 
@@ -47,22 +45,13 @@ def measure(n: int, d: int) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="100000x384,1000000x384,4000000x384,1000000x96,1000000x128,1000000x1024",
-                   help="comma-separated NxD")
-    p.add_argument("--out", default="benchmarks/results")
-    args = p.parse_args()
-    rows = [measure(*(int(v) for v in size.split("x"))) for size in args.sizes.split(",")]
-    results = {"title": "CUDA build scaling", "machine": machine(threads=torch.get_num_threads(), cuda=True),
-               "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, "gpu_build_scaling")
-    with open(base + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    lines = [f"# {results['title']}", "", f"Machine: {machine_line(results['machine'])}.", "",
-             "Clustered float16 rows (N / 1000 clusters), default build parameters, L2; recall@10 of 1000 "
-             "held-out queries at list 64 against exact results.", "",
-             "| N | D | build s | peak extra GPU MiB | bound MiB | recall@10 |", "|---:|---:|---:|---:|---:|---:|"]
+    results, base, lines = sized_gpu_run(
+        __doc__, "100000x384,1000000x384,4000000x384,1000000x96,1000000x128,1000000x1024", measure,
+        "CUDA build scaling", "gpu_build_scaling")
+    rows = results["rows"]
+    lines += ["Clustered float16 rows (N / 1000 clusters), default build parameters, L2; recall@10 of 1000 "
+              "held-out queries at list 64 against exact results.", "",
+              "| N | D | build s | peak extra GPU MiB | bound MiB | recall@10 |", "|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['n']:,} | {r['d']} | {r['build_s']:.3f} | {r['peak_extra_bytes'] / 2**20:,.0f} | "
               f"{r['bound_bytes'] / 2**20:,.0f} | {r['recall_list64']:.4f} |" for r in rows]
     with open(base + ".md", "w") as f:

@@ -13,8 +13,6 @@ PyTorch: float32 scores by torch.mm in chunks of 2^26 and topk. Each is timed wi
 after a first untimed call; "agree" is the share of rows whose two nearest hubs the fused product
 and the baseline choose alike. Writes gpu_hubs.{json,md} under --out.
 """
-import argparse
-import json
 import os
 import sys
 
@@ -23,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
 from benchmarks.bench_gpu import cuda_time  # noqa: E402
-from benchmarks.report import machine, machine_line  # noqa: E402
+from benchmarks.report import sized_gpu_run  # noqa: E402
 
 
 def plain_torch(x: torch.Tensor, hubs: torch.Tensor, k: int) -> torch.Tensor:
@@ -52,23 +50,14 @@ def measure(n: int, d: int) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="10000000x128,4000000x384,4000000x512,4000000x1024", help="comma-separated NxD")
-    p.add_argument("--out", default="benchmarks/results")
-    args = p.parse_args()
-    rows = [measure(*(int(v) for v in size.split("x"))) for size in args.sizes.split(",")]
-    results = {"title": "Nearest hubs on the GPU", "machine": machine(threads=torch.get_num_threads(), cuda=True),
-               "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, "gpu_hubs")
-    with open(base + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    lines = [f"# {results['title']}", "", f"Machine: {machine_line(results['machine'])}.", "",
-             "Random float16 rows, each row's nearest of the N / 1000 hubs: two through the fused product "
-             "(D <= 512), three through grnnd's score matrix, two by plain PyTorch (torch.mm, topk); "
-             "`python benchmarks/bench_hubs.py`.", "",
-             "| N | D | hubs | grnnd, two nearest s | grnnd, three nearest s | plain PyTorch, two s | same two hubs |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    results, base, lines = sized_gpu_run(__doc__, "10000000x128,4000000x384,4000000x512,4000000x1024", measure,
+                                         "Nearest hubs on the GPU", "gpu_hubs")
+    rows = results["rows"]
+    lines += ["Random float16 rows, each row's nearest of the N / 1000 hubs: two through the fused product "
+              "(D <= 512), three through grnnd's score matrix, two by plain PyTorch (torch.mm, topk); "
+              "`python benchmarks/bench_hubs.py`.", "",
+              "| N | D | hubs | grnnd, two nearest s | grnnd, three nearest s | plain PyTorch, two s | same two hubs |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['n']:,} | {r['d']} | {r['hubs']:,} | {r['two_s']:.3f} | {r['three_s']:.3f} | "
               f"{r['torch_s']:.3f} | {r['agree']:.5f} |" for r in rows]
     with open(base + ".md", "w") as f:

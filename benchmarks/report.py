@@ -7,6 +7,7 @@
 {"name", "build_s", "params", "curve": [{"param", "recall", "qps"}, ...]}; any extra keys are
 kept in the JSON.
 """
+import argparse
 import json
 import math
 import os
@@ -50,6 +51,24 @@ def gpu_result_stem(out_dir: str, prefix: str, name: str = "") -> str:
     os.makedirs(out_dir, exist_ok=True)
     gpu = torch.cuda.get_device_name().split()[1].lower()
     return os.path.join(out_dir, f"{prefix}_{gpu}" + (f"_{name}" if name else ""))
+
+
+def sized_gpu_run(description: str, default_sizes: str, measure, title: str, stem: str):
+    """The GPU scripts that time one thing per size: parses ``--sizes`` (comma-separated NxD,
+    ``default_sizes`` unless given) and ``--out``, calls ``measure(n, d)`` for each size and writes
+    ``{"title", "machine", "rows"}`` to ``<out>/<stem>.json``. Returns ``(results, path stem,
+    markdown head)``: the head is the title and machine lines the table follows."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default=default_sizes, help="comma-separated NxD")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    rows = [measure(*(int(v) for v in size.split("x"))) for size in args.sizes.split(",")]
+    results = {"title": title, "machine": machine(threads=torch.get_num_threads(), cuda=True), "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, stem)
+    with open(base + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    return results, base, [f"# {title}", "", f"Machine: {machine_line(results['machine'])}.", ""]
 
 
 def machine_line(m: dict) -> str:
