@@ -194,6 +194,14 @@ void check_search_contents(const at::Tensor& data, const at::Tensor& graph, cons
   if (!queries.is_cuda()) check_finite(queries, "queries");
 }
 
+void check_fill_inputs(const at::Tensor& data, const at::Tensor& graph) {
+  check_search_inputs(data, graph, data, 1, c10::nullopt);
+  // No build makes wider rows, and the fill's shared memory grows with the width (fill_cuda.cu).
+  TORCH_CHECK_VALUE(graph.size(1) <= kMaxPoolSize, "graph: expected at most ", kMaxPoolSize,
+                    " columns (the largest degree a build makes), got ", graph.size(1));
+  check_search_contents(data, graph, data);
+}
+
 void check_knn_inputs(const at::Tensor& data, const at::Tensor& queries, int64_t k) {
   check_points(data, "data");
   check_points(queries, "queries");

@@ -53,6 +53,8 @@ void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const 
 // (scanned once per graph and version, CheckedGraphs in checks.cpp) and, on the CPU, finite
 // queries. Skipped where contents are not readable.
 void check_search_contents(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries);
+// The op fill's (and connect's) data and graph: a search's checks of both, contents included.
+void check_fill_inputs(const at::Tensor& data, const at::Tensor& graph);
 void check_knn_inputs(const at::Tensor& data, const at::Tensor& queries, int64_t k);
 // knn_segments' examples of x in the form the caller gave them (grnnd.cpp): ptr [examples + 1],
 // or a sorted batch vector [nx] and the number of examples.

@@ -82,6 +82,9 @@ TORCH_LIBRARY(grnnd, m) {
   // graph (as build returns it, rows ascending by distance) with every vertex made reachable from
   // the search's entry points, as the build's last step does (csrc/reachability.h).
   m.def("connect(Tensor data, Tensor graph, *, str metric=\"l2\") -> Tensor");
+  // graph with its short rows filled to the full degree from two hops, as the build's step
+  // before that repair does (csrc/fill.h).
+  m.def("fill(Tensor data, Tensor graph, *, str metric=\"l2\") -> Tensor");
   // The hubs of data's rows (csrc/hubs.h): int64 ids, empty for small data.
   m.def("hub_ids(Tensor data) -> Tensor");
   // For each query, the ids of its k nearest hubs among data's rows, nearest first: int64
@@ -122,6 +125,7 @@ TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
   m.impl("connect", [](const at::Tensor&, const at::Tensor&, c10::string_view) -> at::Tensor {
     no_cuda_kernel("connect");
   });
+  m.impl("fill", [](const at::Tensor&, const at::Tensor&, c10::string_view) -> at::Tensor { no_cuda_kernel("fill"); });
   m.impl("gather_rows", [](const at::Tensor&, const at::Tensor&) -> at::Tensor { no_cuda_kernel("gather_rows"); });
 }
 #endif

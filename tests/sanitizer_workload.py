@@ -168,14 +168,19 @@ def editing(g: torch.Generator):
     grnnd.build(rows, degree=8, pool_size=16, initial_degree=4, outer_iters=1, inner_iters=1, init=init,
                 init_split=20_000)
     # The rule among the start's entries: from their Gram matrix (16-bit rows of whole chunks, one
-    # of 40 wide whose last 8 coordinates stand alone) and a distance at a time (rows not of whole
-    # chunks, float32 rows, lifted inner product).
-    for dtype, metric, dim in [(torch.float16, "cosine", 64), (torch.bfloat16, "ip", 40), (torch.bfloat16, "ip", 30),
-                               (torch.float32, "l2", 1100)]:
+    # of 40 wide whose last 8 coordinates stand alone; the distances to the row from the same
+    # loads, for each metric) and a distance at a time (rows not of whole chunks, float32 rows).
+    for dtype, metric, dim in [(torch.float16, "cosine", 64), (torch.float16, "l2", 48), (torch.bfloat16, "ip", 40),
+                               (torch.bfloat16, "ip", 30), (torch.float32, "l2", 1100)]:
         rows = torch.randn(2000, dim, generator=g, device="cuda").to(dtype)
         init = torch.randint(-1, 2000, (2000, 24), generator=g, device="cuda", dtype=torch.int32)
         grnnd.build(rows, metric=metric, degree=16, pool_size=32, initial_degree=8, outer_iters=1, inner_iters=1,
                     init=init, init_split=1000)
+    # The fill on its own: rows of every length, the widest degree.
+    for degree in (6, 256):
+        rows = torch.randn(1000, 24, generator=g, device="cuda").half()
+        graph = torch.randint(-1, 1000, (1000, degree), generator=g, device="cuda", dtype=torch.int32)
+        grnnd.diagnostics.fill(rows, graph.sort(1, descending=True).values)
 
 
 def out_of_core(g: torch.Generator):

@@ -143,6 +143,88 @@ def assert_rows_well_formed(graph: torch.Tensor):
     assert not ((sorted_ids[:, 1:] == sorted_ids[:, :-1]) & (sorted_ids[:, 1:] >= 0)).any(), "a repeated entry"
 
 
+def fill_by_recipe(data: torch.Tensor, graph: torch.Tensor, passes: int = 3) -> torch.Tensor:
+    """csrc/fill.h's recipe, row by row in float64: the fill's oracle."""
+    x = data.double()
+    n, degree = graph.shape
+    rows = graph.tolist()
+    for _ in range(passes):
+        before, rows = rows, [list(r) for r in rows]
+        for v in range(n):
+            own = [u for u in before[v] if 0 <= u < n]
+            if not 0 < len(own) < degree:
+                continue
+            per = min(degree, max(1, 128 // len(own)))
+            kind = {u: "own" for u in own}
+            for u in own:
+                for w in before[u][:per]:
+                    if 0 <= w < n and w != v:
+                        kind.setdefault(w, "other")
+            ids = torch.tensor(list(kind))
+            dist = (x[ids] - x[v]).pow(2).sum(1).tolist()
+            taken, others = [], 0
+            for _, u in sorted(zip(dist, ids.tolist())):
+                if kind[u] == "other":
+                    if others == degree - len(own):
+                        continue
+                    others += 1
+                taken.append(u)
+            rows[v] = taken + [-1] * (degree - len(taken))
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def short_rows(n: int, degree: int, seed: int) -> torch.Tensor:
+    """Rows of random lengths (some empty, some full) of distinct random ids other than the row's
+    own, -1 padded."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.rand(n, n - 1, generator=g).argsort(1)[:, :degree] + 1
+    ids = ((torch.arange(n)[:, None] + offsets) % n).int()
+    lengths = torch.randint(0, degree + 1, (n, 1), generator=g)
+    return torch.where(torch.arange(degree)[None] < lengths, ids, torch.full_like(ids, -1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("degree", [6, 24, 256])
+def test_the_fill_follows_its_recipe(device, dtype, degree):
+    # Integer coordinates: every distance is exact in float32 on both devices, and ties are broken
+    # by id, so the fill must match the recipe row for row. Rows of 6 look at 21 two-hop entries a
+    # neighbour (the most), rows of 256 at one.
+    g = torch.Generator().manual_seed(degree)
+    n = 1500 if degree < 256 else 600
+    data = torch.randint(-4, 5, (n, 12), generator=g).to(dtype)
+    graph = short_rows(n, degree, seed=degree)
+    filled = grnnd.diagnostics.fill(data.to(device), graph.to(device))
+    expected = fill_by_recipe(data, graph)
+    assert filled.dtype == torch.int32 and filled.shape == graph.shape
+    assert torch.equal(filled.cpu(), expected)
+    assert_rows_well_formed(expected)
+    entries, before = (expected >= 0).sum(1), (graph >= 0).sum(1)
+    assert (entries >= before).all() and (entries[before == 0] == 0).all()
+    assert (entries > before).float().mean() > 0.5  # most rows had room and took some
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+def test_the_cuda_fill_is_the_cpu_fill(metric):
+    data = torch.randn(4000, 40, generator=torch.Generator().manual_seed(1))
+    graph = short_rows(4000, 32, seed=2)
+    on_cpu = grnnd.diagnostics.fill(data, graph, metric=metric)
+    on_cuda = grnnd.diagnostics.fill(data.cuda(), graph.cuda(), metric=metric).cpu()
+    # The two sum distances in different orders: a near tie may rank the other way.
+    assert (on_cpu == on_cuda).all(1).float().mean() > 0.99
+
+
+def test_the_fill_checks_its_inputs():
+    data = torch.randn(10, 4)
+    with pytest.raises(ValueError, match="graph: has 9 rows but data has 10"):
+        grnnd.diagnostics.fill(data, torch.zeros(9, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="at most 256 columns"):
+        grnnd.diagnostics.fill(data, torch.zeros(10, 257, dtype=torch.int32))
+    with pytest.raises(ValueError):
+        grnnd.diagnostics.fill(data, torch.full((10, 3), 10, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_are_filled_to_the_degree_from_two_hops(many_clusters, device):
     # The relative-neighbourhood rule leaves a row of clustered data about half its places

@@ -25,6 +25,7 @@ GRAPH = grnnd.build(DATA, degree=8, pool_size=16, initial_degree=8)
         (torch.ops.grnnd.knn.default, (DATA, QUERIES, 5), dict(metric="ip")),
         (torch.ops.grnnd.nearest_hubs.default, (clustered(16_000, 4, 8, seed=13), QUERIES[:, :4], 3), dict()),
         (torch.ops.grnnd.connect.default, (DATA, GRAPH), dict()),
+        (torch.ops.grnnd.fill.default, (DATA, GRAPH), dict()),
         (torch.ops.grnnd.gather_rows.default, (DATA, torch.tensor([3, 0, 59, 3])), dict()),
         (torch.ops.grnnd.knn_graph.default, (DATA, 4), dict()),
         (torch.ops.grnnd.knn_graph.default, (DATA, 4), dict(exact=True)),

@@ -71,6 +71,15 @@ def connect(data: Tensor, graph: Tensor, metric: str = "l2") -> Tensor:
     return torch.ops.grnnd.connect(data, graph, metric=metric)
 
 
+def fill(data: Tensor, graph: Tensor, metric: str = "l2") -> Tensor:
+    """A copy of ``graph`` (int32 [N, degree] over ``data``'s rows) whose short rows are filled to
+    the full degree, as a build fills the rows the relative-neighbourhood rule left short: each
+    row keeps its entries and takes the nearest of its neighbours' neighbours into its free
+    places, ascending by distance (three passes, each reading the rows the last one wrote). Rows
+    that are empty or already full stay as they are."""
+    return torch.ops.grnnd.fill(data, graph, metric=metric)
+
+
 def hubs(data: Tensor) -> Tensor:
     """int64 ids of the hubs of ``data``'s rows: the sample whose nearest members give the build
     its start and the search its first entry points (empty under 16 000 rows)."""

@@ -191,6 +191,11 @@ def _connect_fake(data, graph, **_):
     return torch.empty_like(graph, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("grnnd::fill")
+def _fill_fake(data, graph, **_):
+    return torch.empty_like(graph, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake("grnnd::gather_rows")
 def _gather_rows_fake(data, ids):
     return torch.empty((ids.shape[0], data.shape[1]), dtype=data.dtype, device=ids.device)

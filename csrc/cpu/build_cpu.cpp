@@ -358,6 +358,12 @@ TORCH_LIBRARY_IMPL(grnnd, CPU, m) {
   m.impl("connect", [](const at::Tensor& data, const at::Tensor& graph, c10::string_view metric) {
     return connected_copy(data, graph, metric, prepare_build_vectors(data, parse_metric(std::string(metric))));
   });
+  m.impl("fill", [](const at::Tensor& data, const at::Tensor& graph, c10::string_view metric) {
+    check_fill_inputs(data, graph);
+    const Metric m = parse_metric(std::string(metric));
+    const at::Tensor x = prepare_build_vectors(data, m);
+    return fill_rows_cpu(graph, x, inner_product_lift(x, m), m);
+  });
 }
 
 }  // namespace cpu
