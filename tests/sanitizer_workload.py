@@ -29,6 +29,9 @@ def main():
         grnnd.search_distance_counts(data, graph, data[:3], 10, list_size=32, searches=32, metric=metric)
         grnnd.search(data, graph, data[:5], 100, list_size=128, searches=8, metric=metric)
     grnnd.build(torch.randn(1500, 16, device="cuda"), update_order="ascending", outer_iters=1, inner_iters=2)
+    # Pools wider than 64 entries: the update round's visit order by counting, not in registers.
+    grnnd.build(torch.randn(1500, 16, device="cuda"), update_order="random", pool_size=96, degree=64, outer_iters=1,
+                inner_iters=2)
     for dtype, metric, k in [(torch.float32, "l2", 10), (torch.float16, "cosine", 300), (torch.bfloat16, "ip", 1)]:
         data = torch.randn(3000, 24, generator=g, device="cuda").to(dtype)
         grnnd.knn(data, data[:40], k, metric=metric)

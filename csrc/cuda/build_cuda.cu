@@ -116,6 +116,67 @@ struct DevicePools {
   __device__ bool insert(int buf, int64_t v, int32_t id, float dist, bool is_new, int lane) const {
     return locked_inserts(buf, v, lane, [&](auto&& insert) { insert(pack_slot(id, is_new), dist); }) > 0;
   }
+
+  // The m entries entry(k) -> (slot, dist), k = 0 .. m - 1, of distinct ids, into v's pool in
+  // buffer `buf` with the outcome of m inserts in that order: an id already in the pool is
+  // skipped, the others are appended. Where they all fit, that is one membership test a lane
+  // against the pool's ids (copied into `present`, capacity words of the warp's shared memory)
+  // and one store each; only where the pool would overflow, and inserts start replacing its
+  // farthest entries, do they run one at a time. Each of those reads the whole pool through L2
+  // under the lock, and a vertex's survivors, inserted so, were what kept a round of settled
+  // pools from being cheap.
+  template <typename Entry>
+  __device__ void insert_distinct(int buf, int64_t v, int m, uint32_t* present, int lane, const Entry& entry) const {
+    warp_lock(locks + v, lane);
+    int* count_ptr = count_of(buf, v);
+    const int before = __ldcg(count_ptr);
+    uint32_t* slot_out = slots_of(buf, v);
+    float* dist_out = dists_of(buf, v);
+    for (int i = lane; i < before; i += kWarpSize) present[i] = __ldcg(slot_out + i) & kIdMask;
+    __syncwarp();
+    const auto absent = [&](uint32_t slot) {
+      const uint32_t id = slot & kIdMask;
+      for (int i = 0; i < before; ++i) {
+        if (present[i] == id) return false;
+      }
+      return true;
+    };
+    int fresh = 0;
+    for (int base = 0; base < m; base += kWarpSize) {
+      uint32_t slot = 0;
+      float dist = 0.0f;
+      if (base + lane < m) entry(base + lane, slot, dist);
+      fresh += __popc(__ballot_sync(kFullMask, base + lane < m && absent(slot)));
+    }
+    if (before + fresh <= capacity) {
+      int count = before;
+      for (int base = 0; base < m; base += kWarpSize) {
+        uint32_t slot = 0;
+        float dist = 0.0f;
+        if (base + lane < m) entry(base + lane, slot, dist);
+        const bool append = base + lane < m && absent(slot);
+        const unsigned mask = __ballot_sync(kFullMask, append);
+        if (append) {
+          const int at = count + __popc(mask & lanes_below(lane));
+          slot_out[at] = slot;
+          dist_out[at] = dist;
+        }
+        count += __popc(mask);
+      }
+      if (lane == 0 && count != before) *count_ptr = count;
+    } else {
+      int count = before;
+      for (int k = 0; k < m; ++k) {
+        uint32_t slot;
+        float dist;
+        entry(k, slot, dist);
+        bool changed;
+        count = warp_insert_locked(slot_out, dist_out, count, capacity, kIdMask, slot, dist, lane, changed);
+      }
+      if (lane == 0 && count != before) *count_ptr = count;
+    }
+    warp_unlock(locks + v, lane);
+  }
 };
 
 struct BuildArgs {
@@ -469,6 +530,23 @@ __global__ void __launch_bounds__(kBlockThreads)
 // Same keys and tie-breaks as visit_order on the CPU.
 __device__ __forceinline__ void visit_order(const WarpScratch& s, int count, int64_t v, uint32_t round,
                                             const BuildArgs& args, int lane) {
+  if (count <= kRegisterSortMax) {  // the same orders as 64-bit keys: (sort key, pool index)
+    warp_register_sort(count, s.order, lane, [&](int i) {
+      uint32_t high;
+      switch (args.update_order) {
+        case UpdateOrder::kAscending:
+          high = ordered_bits(s.dist[i]);
+          break;
+        case UpdateOrder::kDescending:
+          high = ~ordered_bits(s.dist[i]);
+          break;
+        default:
+          high = random_u32(args.seed, Stream::kVisitOrder, static_cast<uint32_t>(v), round, i);
+      }
+      return static_cast<uint64_t>(high) << 32 | static_cast<uint32_t>(i);
+    });
+    return;
+  }
   switch (args.update_order) {
     case UpdateOrder::kRandom:
     case UpdateOrder::kDescendingThenRandom:  // resolved per outer iteration (order_for_iteration)
@@ -497,8 +575,8 @@ __device__ __forceinline__ void visit_order(const WarpScratch& s, int count, int
 // as old entries.
 //
 // The CPU compares a with the kept entries one at a time and stops at the first one that takes
-// a. Here the warp's teams compute kTeams of those distances at once, then all lanes apply the
-// rule to them in kept order (identical scalar logic on every lane); the next batch is only
+// a. Here the warp's teams compute kTeams of those distances at once and each team applies the
+// rule to its own, the batch resolved in kept order by two ballots; the next batch is only
 // computed if a is still kept, so at most kTeams - 1 distances are spent past the CPU's stop.
 template <typename T, int TEAM>
 __global__ void __launch_bounds__(kBlockThreads, kUpdateWarpsPerSm / kWarpsPerBlock)
@@ -512,8 +590,22 @@ __global__ void __launch_bounds__(kBlockThreads, kUpdateWarpsPerSm / kWarpsPerBl
   const int count = load_pool(pools, read, v, s, lane);
   visit_order(s, count, v, round, args, lane);
 
-  int kept_count = 0, moves = 0;
-  for (int step = 0; step < count; ++step) {
+  // Until the walk meets its first new entry, every entry is old and so is every kept one: no
+  // pair is compared and each is kept. That prefix is taken at once, and a settled pool (no
+  // new entry) skips the walk.
+  int first_new = count;
+  for (int base = 0; base < count; base += kWarpSize) {
+    const int step = base + lane;
+    const unsigned mask = __ballot_sync(kFullMask, step < count && slot_is_new(s.slot[s.order[step]]));
+    if (mask != 0) {
+      first_new = base + __ffs(mask) - 1;
+      break;
+    }
+  }
+  for (int k = lane; k < first_new; k += kWarpSize) s.kept[k] = s.order[k];
+  __syncwarp();
+  int kept_count = first_new, moves = 0;
+  for (int step = first_new; step < count; ++step) {
     const int i = s.order[step];
     const int32_t a = slot_id(s.slot[i]);
     const bool a_new = slot_is_new(s.slot[i]);
@@ -531,35 +623,38 @@ __global__ void __launch_bounds__(kBlockThreads, kUpdateWarpsPerSm / kWarpsPerBl
     }
     __syncwarp();
 
+    // Each team tests its pair with the rule, and the batch's outcome is that of testing the
+    // pairs in team order: the pairs that hold up to the first one that moves a each move their
+    // farther entry, and the rest are not reached. Deciding them a team each, rather than the
+    // whole warp repeating one pair's test after another, gives the same moves in the same order.
     bool keep = true, erased = false;
     for (int g0 = 0; g0 < compared && keep; g0 += kTeams) {
       const int g = g0 + team;
       const bool valid = g < compared;
-      const int64_t b = valid ? slot_id(s.slot[s.kept[s.cmp[g]]]) : a;
-      const float d_team = row_distance<TEAM>(x, args, a, b, valid, rank);
-      const int batch = min(kTeams, compared - g0);
-      for (int t = 0; t < batch; ++t) {
-        const float d_ab = __shfl_sync(kFullMask, d_team, t * TEAM);
-        const int j = s.cmp[g0 + t];
-        const int b_index = s.kept[j];
-        const float d_vb = s.dist[b_index];
-        if (d_ab < fmaxf(d_va, d_vb)) {
-          // The farther one moves to the closer one: a to b, or b to a (b then leaves `kept`).
-          const bool a_moves = d_va >= d_vb;
-          if (!a_moves) __syncwarp();  // every lane has read s.kept[j] before lane 0 erases it
-          if (lane == 0) {
-            s.move[moves] = a_moves ? pack_move(b_index, i) : pack_move(i, b_index);
-            s.move_dist[moves] = d_ab;
-            if (!a_moves) s.kept[j] = -1;
-          }
-          ++moves;
-          if (a_moves) {
-            keep = false;
-            break;
-          }
-          erased = true;
-        }
+      const int j = valid ? s.cmp[g] : 0;
+      const int b_index = valid ? s.kept[j] : 0;
+      const int64_t b = valid ? slot_id(s.slot[b_index]) : a;
+      const float d_ab = row_distance<TEAM>(x, args, a, b, valid, rank);  // on every lane of the team
+      const float d_vb = s.dist[b_index];
+      // The farther one moves to the closer one: a to b, or b to a (b then leaves `kept`).
+      const bool holds = valid && d_ab < fmaxf(d_va, d_vb);
+      const bool a_moves = d_va >= d_vb;
+      const bool leader = rank == 0;
+      const unsigned held = __ballot_sync(kFullMask, leader && holds);
+      const unsigned stops = __ballot_sync(kFullMask, leader && holds && a_moves);
+      const unsigned first_stop = stops & (0u - stops);
+      const unsigned reached = first_stop != 0 ? held & (first_stop | (first_stop - 1u)) : held;
+      if (reached == 0) continue;
+      __syncwarp();  // every lane has read s.kept[j] before a leader erases it
+      if (leader && (reached >> lane & 1u) != 0) {
+        const int at = moves + __popc(reached & lanes_below(lane));
+        s.move[at] = a_moves ? pack_move(b_index, i) : pack_move(i, b_index);
+        s.move_dist[at] = d_ab;
+        if (!a_moves) s.kept[j] = -1;
       }
+      moves += __popc(reached);
+      erased = erased || (reached & ~first_stop) != 0;
+      keep = first_stop == 0;
     }
     __syncwarp();
     if (erased) kept_count = warp_compact_nonnegative(s.kept, kept_count, lane);
@@ -587,11 +682,11 @@ __global__ void __launch_bounds__(kBlockThreads, kUpdateWarpsPerSm / kWarpsPerBl
 
   // Survivors into v's own next pool as old entries: one lock for all of them (other warps'
   // inserts land before or after the batch, which is one of the CPU's possible interleavings).
-  pools.locked_inserts(write, v, lane, [&](auto&& insert) {
-    for (int k = 0; k < kept_count; ++k) {
-      const int i = s.kept[k];
-      insert(pack_slot(slot_id(s.slot[i]), false), s.dist[i]);
-    }
+  // The sort keys are spent, so their words hold the pool's ids for the membership tests.
+  pools.insert_distinct(write, v, kept_count, s.key, lane, [&](int k, uint32_t& slot, float& dist) {
+    const int i = s.kept[k];
+    slot = pack_slot(slot_id(s.slot[i]), false);
+    dist = s.dist[i];
   });
 }
 

@@ -117,6 +117,54 @@ __device__ __forceinline__ void warp_rank_sort(int count, int limit, int* order,
   __syncwarp();
 }
 
+// Up to 64 items ranked as warp_rank_sort ranks them, when the order is that of unique 64-bit
+// keys: key(i) for item i < count, smallest first; order[rank] = the key's low 32 bits (the
+// item). A bitonic network on two keys a lane in registers: 21 stages of shuffles, where ranking
+// by counting reads 2 x count distances from shared memory a lane; a build's update round sorts
+// every pool this way.
+constexpr int kRegisterSortMax = 2 * kWarpSize;
+
+template <typename Key>
+__device__ __forceinline__ void warp_register_sort(int count, int* order, int lane, const Key& key) {
+  uint64_t v[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int e = r * kWarpSize + lane;
+    v[r] = e < count ? key(e) : ~uint64_t{0};
+  }
+#pragma unroll
+  for (int size = 2; size <= kRegisterSortMax; size <<= 1) {
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      if (stride == kWarpSize) {  // size 64: each lane's two keys, ascending
+        const uint64_t low = v[0] < v[1] ? v[0] : v[1], high = v[0] < v[1] ? v[1] : v[0];
+        v[0] = low;
+        v[1] = high;
+        continue;
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int e = r * kWarpSize + lane;
+        const uint64_t other = __shfl_xor_sync(kFullMask, v[r], stride);
+        const bool ascending = (e & size) == 0, lower = (e & stride) == 0;
+        v[r] = (lower == ascending) == (other < v[r]) ? other : v[r];
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int e = r * kWarpSize + lane;
+    if (e < count) order[e] = static_cast<int>(static_cast<uint32_t>(v[r]));
+  }
+  __syncwarp();
+}
+
+// A float's bits as an unsigned integer of the same order (-0 taken as +0; no NaN).
+__device__ __forceinline__ uint32_t ordered_bits(float f) {
+  const uint32_t bits = __float_as_uint(f + 0.0f);
+  return (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
+}
+
 // Drops the negative entries of list[0, count) in place, keeping the order of the rest
 // (ballot compaction); returns the new count.
 __device__ __forceinline__ int warp_compact_nonnegative(int* list, int count, int lane) {
