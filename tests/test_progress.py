@@ -54,6 +54,38 @@ def cancel(done, total, changes=0):
     raise KeyboardInterrupt
 
 
+def test_a_large_add_reports_its_two_builds_and_a_small_one_nothing():
+    index = grnnd.Index.build(DATA[:500], **FIXED)
+    calls = []
+    index.add(DATA[600:], progress=lambda done, total: calls.append((done, total)))
+    # The batch's own graph (2 x 2 rounds), then the merge: one outer iteration of 2 rounds.
+    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4), (1, 2), (2, 2)] and len(index) == 700
+    calls.clear()
+    index.add(DATA[500:510], progress=lambda done, total: calls.append((done, total)))
+    assert calls == [] and len(index) == 710
+
+
+@pytest.mark.parametrize("stop_at", [2, 5])  # in the batch's build, in the merge
+def test_an_interrupted_add_leaves_the_index_as_it_was(stop_at):
+    index = grnnd.Index.build(DATA[:500], ids=torch.arange(1000, 1500), **FIXED)
+    before = index.state_dict()
+    seen = []
+
+    def stop(done, total):
+        seen.append(done)
+        if len(seen) == stop_at:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        index.add(DATA[500:], ids=torch.arange(300), progress=stop)
+    after = index.state_dict()
+    assert len(index) == 500 and after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) if isinstance(before[k], torch.Tensor) else after[k] == before[k]
+               for k in before)
+    index.add(DATA[500:], ids=torch.arange(300))  # and it still takes the batch
+    assert len(index) == 800
+
+
 def test_an_exception_in_the_callback_stops_the_build_and_propagates():
     with pytest.raises(KeyboardInterrupt):
         grnnd.build(DATA, progress=cancel, **SMALL)

@@ -87,15 +87,18 @@ class Index:
         ids = self.ids[rows.clamp_min(0).to(self.ids.device)].to(rows.device)
         return dists, torch.where(rows >= 0, ids, rows)
 
-    def add(self, vectors: Tensor, ids: Optional[Tensor] = None) -> None:
+    def add(self, vectors: Tensor, ids: Optional[Tensor] = None, *, progress: Progress = False) -> None:
         """Add ``vectors`` [B, D] (same dtype and device as the index) as new vertices of the
         graph, without a rebuild: each finds its candidates by a search of the graph (and among
         the batch), keeps them by the build's rule, and the nearest ``reverse_ratio`` share of the
         rows it links to take it in (as the build gives reverse edges). A batch
         of at least a quarter of the index's rows (``LARGE_ADD_SHARE``) instead gets its own
         graph, which is merged with the index's (:func:`torch_grnnd.merge`). ``ids``:
-        their user ids, required when the index has ids (distinct, not in the index yet). A
-        refused or failed add leaves the index as it was."""
+        their user ids, required when the index has ids (distinct, not in the index yet).
+        ``progress`` (as for :func:`torch_grnnd.build`) reports the rounds of a large add's two
+        builds, the batch's graph and then the merge, each counting from 1; a small add runs no
+        rounds and reports nothing. A refused, failed or interrupted add (a progress callback
+        that raises) leaves the index as it was."""
         data = self.data
         if not isinstance(vectors, Tensor) or vectors.dim() != 2 or vectors.shape[1] != data.shape[1]:
             raise ValueError(f"vectors: expected a [B, {data.shape[1]}] tensor, got "
@@ -122,7 +125,7 @@ class Index:
         removed = None if self.removed is None else torch.cat(
             [self.removed, torch.zeros(b, dtype=torch.bool, device=self.device)])
         if b >= n * LARGE_ADD_SHARE:
-            self._add_by_merge(vectors, new_ids, removed)
+            self._add_by_merge(vectors, new_ids, removed, progress)
             return
         # Candidates: the nearest live rows a search finds, and the batch's own nearest rows.
         pool = min(self.build_params.pool_size, n)
@@ -142,13 +145,14 @@ class Index:
         self._store = store_data, store_graph
         self.data, self.graph, self.ids, self.removed = store_data[:n + b], store_graph[:n + b], new_ids, removed
 
-    def _add_by_merge(self, vectors: Tensor, ids: Optional[Tensor], removed: Optional[Tensor]) -> None:
+    def _add_by_merge(self, vectors: Tensor, ids: Optional[Tensor], removed: Optional[Tensor],
+                      progress: Progress) -> None:
         """``add`` of a large batch: the batch's own graph, merged with the index's
         (:mod:`torch_grnnd.merging`); the index changes only once both have been made."""
         params = self.build_params
-        graph = ops.build(vectors, params, metric=self.metric)
+        graph = ops.build(vectors, params, metric=self.metric, progress=progress)
         data, graph = merging.merge_graphs(self.data, self.graph, vectors, graph, merging.schedule(params, {}),
-                                           self.metric)
+                                           self.metric, progress)
         self._store = None
         self.data, self.graph, self.ids, self.removed = data, graph, ids, removed
 

@@ -120,12 +120,12 @@ class Retriever(nn.Module):
         self._take(Index.build(data.detach(), self.build_params, metric=self.metric, ids=ids, progress=progress))
         return self
 
-    def add(self, data: Tensor, ids: Optional[Tensor] = None) -> "Retriever":
+    def add(self, data: Tensor, ids: Optional[Tensor] = None, *, progress: Progress = False) -> "Retriever":
         """Add rows (detached) without a rebuild; see :meth:`Index.add`."""
         if self.data.shape[0] == 0:
-            return self.rebuild(data, ids=ids)
+            return self.rebuild(data, ids=ids, progress=progress)
         index = self.index
-        index.add(data.detach(), ids)
+        index.add(data.detach(), ids, progress=progress)
         return self._take(index)
 
     def remove(self, ids: Tensor) -> "Retriever":
