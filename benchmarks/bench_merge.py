@@ -54,7 +54,7 @@ def main():
     with open(stem + ".json", "w") as f:
         json.dump(r, f, indent=1)
     lines = [f"# Merge of two halves, {name} ({n:,} x {r['dim']})", "",
-             f"Machine: {machine_line(r['machine'])}. recall@10 at list {LIST}; `python benchmarks/bench_merge.py`"
+             f"Machine: {machine_line(r['machine'])}. recall@10 at list {LIST}; `{args.command}`"
              + (f" `--settings \"{args.settings}\"`" if args.settings else "") + ".",
              "", "| | time | recall |", "|---|---|---:|",
              f"| fresh build of all rows | {fresh_s:.2f} s | {fresh_recall:.4f} |",

@@ -134,6 +134,9 @@ def setup(description: str, data: str, arguments=None):
     if arguments is not None:
         arguments(p)
     args = p.parse_args()
+    # The command as the result files quote it: the script with the data and device it was given.
+    args.command = " ".join([f"python benchmarks/{os.path.basename(sys.argv[0])}"] + [
+        f"--{key} {getattr(args, key)}" for key in ("data", "device") if getattr(args, key) != p.get_default(key)])
     device = torch.device(args.device)
     name, base, queries, _ = load_data(args.data, device)
     if device.type == "cpu":
@@ -160,8 +163,7 @@ def main():
     d, b, r = results["daily_inserts"], results["bulk_growth"], results["deletes"]
     adds, again = sorted(d["add_s"]), sorted(d["add_again_s"])
     lines = [f"# Index updates, {name} ({results['n']:,} x {results['dim']})", "",
-             f"Machine: {machine_line(results['machine'])}. recall@10 at list {LIST}; "
-             "`python benchmarks/bench_update.py`.", "",
+             f"Machine: {machine_line(results['machine'])}. recall@10 at list {LIST}; `{args.command}`.", "",
              "| scenario | time | recall | fresh build: time, recall |", "|---|---|---:|---|",
              f"| daily inserts: build 90%, 10 adds of {d['rows_per_add']:,} | build {d['build_90_s']:.2f} s, "
              f"add median {adds[len(adds) // 2] * 1000:.1f} ms (max {adds[-1] * 1000:.1f}; the first, which grows "
