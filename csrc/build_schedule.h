@@ -58,24 +58,23 @@ inline int64_t start_split(int64_t init_split, int64_t n) {
   return init_split < n ? init_split : 0;
 }
 
-// Whether the update of vertex v compares its pool entries a and b (a_new, b_new: their "new"
+// Whether a vertex's update compares its pool entries a and b (a_new, b_new: their "new"
 // flags). A pair of two old entries was compared before and passed (RNN-Descent's new/old
 // flags). In a merge (split, start_split: rows [0, split) and [split, n) come from two built
-// graphs) neither is a pair of two rows of v's own graph: rows of v's own graph reach v only when
-// rows of the other graph hand them on, and comparing them with v's own entries redoes pruning
-// that v's own build did, while what the merge must find is how the other graph's rows sit among
-// them. Seed 003's GGM compares only pairs across the two graphs; that lost recall here (rows
-// kept entries of the other graph that cover each other), skipping only v's own graph's pairs
-// did not: on the CPU a merge of two halves computed 20-26% fewer distances at a recall@10 at
-// most 0.0016 below the merge that compares them, or above it (clustered 100k x 64 and 200k x 32,
-// anisotropic Gaussian 100k x 48 and x 96); on one H100 clustered 10M x 128 halves merged in 56%
-// of a fresh build's time instead of 60-62% (benchmarks/README.md, "A merge leaves pairs of a
-// row's own graph alone").
-GRNND_HOST_DEVICE bool compares_pair(int64_t v, int64_t a, bool a_new, int64_t b, bool b_new, int64_t split) {
+// graphs) only pairs across the two graphs are compared, as seed 003's GGM compares them: what a
+// merge must find is how the rows of one graph sit among those of the other, and a pair of two
+// rows of one graph was pruned by that graph's own build. Comparing the other graph's rows with
+// each other as well (a pair of two rows of the vertex's own graph was always skipped) refined both
+// graphs a little, but its hand-overs within one graph kept a merge busy to its cap of eight
+// rounds: with pairs across only, merges of halves ended after six or seven rounds and took 40% to
+// 50% of a fresh build's time instead of 54% to 59%, at recall@10 (list 64) within 0.0025 of the
+// fresh build where the wider rule had been up to 0.002 above it (one H100 and one H200:
+// clustered 10M x 128 and 1M x 384, Zipf-sized clusters and anisotropic rows 2M;
+// benchmarks/README.md, "A merge compares pairs across the two graphs only").
+GRNND_HOST_DEVICE bool compares_pair(int64_t a, bool a_new, int64_t b, bool b_new, int64_t split) {
   if (!a_new && !b_new) return false;
   if (split == 0) return true;
-  const bool own = v < split;
-  return (a < split) != own || (b < split) != own;
+  return (a < split) != (b < split);
 }
 
 constexpr double kOuterDelta = 10.0;

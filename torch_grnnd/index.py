@@ -13,8 +13,10 @@ from .progress import Progress
 # A batch of at least this share of the index's rows is added by building its own graph and
 # merging the two (torch_grnnd.merging) instead of searching the graph for each new row. One
 # H100, 1M x 384: adding by search cost 1.6 to 2.5 us a row (16 ms for 10 000 rows, 1.24 s for
-# 500 000), a batch's own build about 0.5 us a row and the merge about 0.33 us a row of the
-# union, so the merge wins above about a quarter.
+# 500 000). With merges that compare pairs across the two graphs only, a batch of 20% of the
+# index took 0.256 s by search and 0.263 s by merge, of 25% 0.326 s and 0.276 s, and the search
+# left the better graph at every share (recall@10 0.990-0.991 against 0.984-0.986; benchmarks/README.md, "A
+# merge compares pairs across the two graphs only"), so the merge takes over at a quarter.
 LARGE_ADD_SHARE = 0.25
 
 

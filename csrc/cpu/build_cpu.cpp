@@ -238,7 +238,7 @@ int update_vertex(const VectorSet& vectors, Pools& pools, int read, int64_t v, u
     for (size_t j = 0; j < kept.size();) {
       const int b_index = kept[j];
       const int32_t b = slot_id(slot[b_index]);
-      if (!compares_pair(v, a, slot_is_new(slot[i]), b, slot_is_new(slot[b_index]), split)) {
+      if (!compares_pair(a, slot_is_new(slot[i]), b, slot_is_new(slot[b_index]), split)) {
         ++j;
         continue;
       }

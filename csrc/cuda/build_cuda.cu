@@ -611,12 +611,12 @@ __global__ void __launch_bounds__(kBlockThreads, kUpdateWarpsPerSm / kWarpsPerBl
     const bool a_new = slot_is_new(s.slot[i]);
     const float d_va = s.dist[i];
     // Kept entries a must be tested against (compares_pair): all of them if a is new, else the
-    // new ones; in a merge, no pair of two rows of v's own graph.
+    // new ones; in a merge, only pairs across its two graphs.
     int compared = 0;
     for (int base = 0; base < kept_count; base += kWarpSize) {
       const int j = base + lane;
       const uint32_t b_slot = j < kept_count ? s.slot[s.kept[j]] : 0u;
-      const bool need = j < kept_count && compares_pair(v, a, a_new, slot_id(b_slot), slot_is_new(b_slot), args.split);
+      const bool need = j < kept_count && compares_pair(a, a_new, slot_id(b_slot), slot_is_new(b_slot), args.split);
       const unsigned mask = __ballot_sync(kFullMask, need);
       if (need) s.cmp[compared + __popc(mask & lanes_below(lane))] = j;
       compared += __popc(mask);
