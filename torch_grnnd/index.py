@@ -344,7 +344,10 @@ def check_removed(removed: Any, data: Tensor) -> Tensor:
 def merge(a: Index, b: Index, *, progress: Progress = False, **settings: Any) -> Index:
     """One index over the vectors of ``a`` and ``b`` (b's rows after a's), without rebuilding
     either: the union's graph starts from both graphs and the build's rounds find the edges
-    between them (:mod:`torch_grnnd.merging`). ``settings``: fields of
+    between them, comparing only pairs of one row from each (:mod:`torch_grnnd.merging`). Halves
+    merge in 40-50% of a fresh build's time, searching within 0.0025 of its recall@10 at list 64
+    on the sets measured and a little below it at short lists on clustered rows; where that
+    matters, build the union afresh. ``settings``: fields of
     :class:`~torch_grnnd.BuildParams` over ``a``'s (a merge runs one outer iteration,
     :data:`torch_grnnd.merging.OUTER_ITERS`, unless they name ``outer_iters``). User ids and
     tombstones are kept; both indexes must have ids or neither, and no id may be in both."""
