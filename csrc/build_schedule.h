@@ -66,11 +66,11 @@ inline int64_t start_split(int64_t init_split, int64_t n) {
 // rows of one graph was pruned by that graph's own build. Comparing the other graph's rows with
 // each other as well (a pair of two rows of the vertex's own graph was always skipped) refined both
 // graphs a little, but its hand-overs within one graph kept a merge busy to its cap of eight
-// rounds: with pairs across only, merges of halves ended after six or seven rounds and took 40% to
-// 50% of a fresh build's time instead of 54% to 59%, at recall@10 (list 64) within 0.0025 of the
-// fresh build where the wider rule had been up to 0.002 above it (one H100 and one H200:
-// clustered 10M x 128 and 1M x 384, Zipf-sized clusters and anisotropic rows 2M;
-// benchmarks/README.md, "A merge compares pairs across the two graphs only").
+// rounds: with pairs across only, merges of clustered halves ended after six or seven rounds,
+// and merges took 40% to 50% of a fresh build's time instead of 54% to 59%, at recall@10 (list
+// 64) within 0.0025 of the fresh build where the wider rule had been up to 0.002 above it (one
+// H100 and one H200: clustered 10M x 128 and 1M x 384, Zipf-sized clusters and anisotropic rows
+// 2M; benchmarks/README.md, "A merge compares pairs across the two graphs only").
 GRNND_HOST_DEVICE bool compares_pair(int64_t a, bool a_new, int64_t b, bool b_new, int64_t split) {
   if (!a_new && !b_new) return false;
   if (split == 0) return true;
