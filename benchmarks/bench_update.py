@@ -9,8 +9,11 @@ the device). Three scenarios, each against a fresh build of the same rows in the
 recall@10 at list 64 (exact ground truth from grnnd.knn over the rows the index holds):
   daily inserts  build 90%, then add the other 10% in ten batches of 1% (time of each add),
                  twice: the process's first adds, and the same adds again;
-  bulk growth    build the first half, add the second half in one call; and grnnd.merge of the
-                 halves' indexes;
+  bulk growth    build the first half, add the second half in one call (the graph grows in one
+                 build); and grnnd.merge of the halves' indexes;
+  large adds     build 90% (75%), add the other 10% (25%) in one call, once by a search of the
+                 graph for each row and once grown (the two ways Index.add takes, forced by
+                 torch_grnnd.index.LARGE_ADD_SHARE);
   deletes        remove a random 10% (no removed id may come back), then compact.
 Times: CUDA events on a GPU, wall clock on the CPU, after one pass of every path on a few rows
 (the process's first launch of each kernel is not an add's cost; the first add's growth of the
@@ -63,7 +66,7 @@ def warm_up(base: torch.Tensor, queries: torch.Tensor) -> None:
     rows = base[:20_000]
     index = grnnd.Index.build(rows[:15_000])
     index.add(rows[15_000:15_100])               # through the search
-    index.add(rows[15_100:])                     # a merge (a quarter of the rows or more)
+    index.add(rows[15_100:])                     # grown (a quarter of the rows or more)
     index.remove(torch.arange(0, rows.shape[0], 10, device=rows.device))
     index.compact()
     index.search(queries[:100], K, list_size=LIST)
@@ -102,6 +105,28 @@ def bulk_growth(base, queries, device) -> dict:
     return {"fresh_build_s": fresh_s, "build_half_s": build_s, "add_half_s": add_s,
             "recall": recall(index, queries, truth), "fresh_recall": recall(fresh, queries, truth),
             "merge_halves_s": merge_s, "merge_recall": recall(merged, queries, truth)}
+
+
+SHARES = (0.1, 0.25)
+WAYS = {"search": "by search", "grown": "grown in one build"}
+
+
+def large_adds(base, queries, device) -> dict:
+    n = base.shape[0]
+    truth = truth_over(base, torch.arange(n, device=device), queries)
+    out = {}
+    for share in SHARES:
+        first = n - int(n * share)
+        index = grnnd.Index.build(base[:first])
+        for way, threshold in (("search", float("inf")), ("grown", 0.0)):
+            grnnd.index.LARGE_ADD_SHARE, default = threshold, grnnd.index.LARGE_ADD_SHARE
+            try:
+                copy = grnnd.Index(index.data, index.graph, index.metric, index.build_params)
+                _, secs = timed(lambda: copy.add(base[first:]), device)
+            finally:
+                grnnd.index.LARGE_ADD_SHARE = default
+            out[f"{share}_{way}_s"], out[f"{share}_{way}_recall"] = secs, recall(copy, queries, truth)
+    return out
 
 
 def deletes(base, queries, device) -> dict:
@@ -153,14 +178,14 @@ def main():
     results = {"data": name, "n": base.shape[0], "dim": base.shape[1], "list_size": LIST,
                "machine": machine(threads=torch.get_num_threads(), cuda=device.type == "cuda")}
     warm_up(base, queries)
-    for scenario in (daily_inserts, bulk_growth, deletes):
+    for scenario in (daily_inserts, bulk_growth, large_adds, deletes):
         results[scenario.__name__] = scenario(base, queries, device)
         print(scenario.__name__, json.dumps(results[scenario.__name__]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"update_{name}")
     with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=1)
-    d, b, r = results["daily_inserts"], results["bulk_growth"], results["deletes"]
+    d, b, a, r = results["daily_inserts"], results["bulk_growth"], results["large_adds"], results["deletes"]
     adds, again = sorted(d["add_s"]), sorted(d["add_again_s"])
     lines = [f"# Index updates, {name} ({results['n']:,} x {results['dim']})", "",
              f"Machine: {machine_line(results['machine'])}. recall@10 at list {LIST}; `{args.command}`.", "",
@@ -170,10 +195,14 @@ def main():
              f"the storage, {d['add_s'][0] * 1000:.1f}); the same adds again in the process: median "
              f"{again[len(again) // 2] * 1000:.1f} ms, max {again[-1] * 1000:.1f} | {d['recall']:.4f} | "
              f"{d['fresh_build_s']:.2f} s, {d['fresh_recall']:.4f} |",
-             f"| bulk growth: build half, add half | build {b['build_half_s']:.2f} s + add {b['add_half_s']:.2f} s | "
+             f"| bulk growth: build half, add half | build {b['build_half_s']:.2f} s + add {b['add_half_s']:.2f} s "
+             f"({b['add_half_s'] / b['fresh_build_s']:.0%} of the fresh build) | "
              f"{b['recall']:.4f} | {b['fresh_build_s']:.2f} s, {b['fresh_recall']:.4f} |",
              f"| bulk growth: merge the two halves' indexes | merge {b['merge_halves_s']:.2f} s | "
              f"{b['merge_recall']:.4f} | {b['fresh_build_s']:.2f} s, {b['fresh_recall']:.4f} |",
+             *[f"| large add: build {1 - s:.0%}, add {s:.0%} {WAYS[way]} | {a[f'{s}_{way}_s']:.3f} s "
+               f"({a[f'{s}_{way}_s'] / b['fresh_build_s']:.0%} of the fresh build) | {a[f'{s}_{way}_recall']:.4f} | "
+               f"{b['fresh_build_s']:.2f} s, {b['fresh_recall']:.4f} |" for s in SHARES for way in ("search", "grown")],
              f"| deletes: remove 10%, compact | remove {r['remove_s'] * 1000:.1f} ms, compact {r['compact_s']:.2f} s "
              f"(removed ids returned before compact: {r['removed_ids_returned']}; recall then "
              f"{r['recall_before_compact']:.4f}) | {r['recall']:.4f} | {r['fresh_build_s']:.2f} s, "

@@ -50,32 +50,70 @@ inline at::Tensor start_entries(const c10::optional<at::Tensor>& init, const at:
   return t.slice(1, 0, columns).contiguous();
 }
 
-// init_split checked: the row where a merge's second graph starts; 0 when the build is not a
-// merge of two non-empty graphs (init_split 0 or n).
-inline int64_t start_split(int64_t init_split, int64_t n) {
+// How a build's rows divide (init_split, init_mode): rows [0, row) come from a built graph, and
+// rows [row, n) are a second built graph (a merge, seed 003's GGM: torch_grnnd/merging.py) or,
+// when `grows`, new rows without a graph (Index.add of a large batch). row 0: neither.
+struct Split {
+  int64_t row = 0;
+  bool grows = false;
+  int graph_draws = 0;  // growing: the draws of each row of the graph, all among the new rows
+
+  // A row of a growing build that has no graph: its init row is not read.
+  GRNND_HOST_DEVICE bool new_row(int64_t v) const { return grows && v >= row; }
+  // How many rows v draws at the start (S = initial_degree): a row of the graph that grows
+  // draws the new rows' share of S, as its neighbours in the union are new in that share. With
+  // half the rows new (one H200, recall@10 at list 64, fresh build 0.7253 on anisotropic 2M x 96
+  // rows, 0.9897 on clustered 1M x 384), 0, 4 and 8 draws (S = 16) gave 0.6845, 0.7155 and 0.7306
+  // on the anisotropic rows and 0.9880, 0.9898 and 0.9902 on the clustered ones.
+  GRNND_HOST_DEVICE int draws(int64_t v, int initial_degree) const {
+    return grows && v < row ? graph_draws : initial_degree;
+  }
+  // Where v draws from, as initial_neighbour's `split`: the other part's rows, but a new row
+  // draws from all rows (its neighbours are new rows as much as the graph's).
+  GRNND_HOST_DEVICE int64_t draws_from(int64_t v) const { return new_row(v) ? 0 : row; }
+};
+
+// init_split and init_mode checked. A split at 0 or n leaves nothing to merge or add: no split.
+inline Split start_split(int64_t init_split, c10::string_view init_mode, int64_t n, const BuildParams& p) {
   TORCH_CHECK_VALUE(init_split >= 0 && init_split <= n, "init_split: expected a row in [0, ", n, "], got ",
                     init_split);
-  return init_split < n ? init_split : 0;
+  TORCH_CHECK_VALUE(init_mode == "merge" || init_mode == "grow", "init_mode: expected \"merge\" or \"grow\", got \"",
+                    init_mode, "\"");
+  if (init_split == 0 || init_split == n) return Split{};
+  Split split{init_split, init_mode == "grow", 0};
+  if (split.grows) {
+    const double share = static_cast<double>(n - init_split) / static_cast<double>(n);
+    split.graph_draws = std::max(1, static_cast<int>(std::lround(p.initial_degree * share)));
+  }
+  return split;
 }
 
 // Whether a vertex's update compares its pool entries a and b (a_new, b_new: their "new"
 // flags). A pair of two old entries was compared before and passed (RNN-Descent's new/old
-// flags). In a merge (split, start_split: rows [0, split) and [split, n) come from two built
-// graphs) only pairs across the two graphs are compared, as seed 003's GGM compares them: what a
-// merge must find is how the rows of one graph sit among those of the other, and a pair of two
-// rows of one graph was pruned by that graph's own build. Comparing the other graph's rows with
-// each other as well (a pair of two rows of the vertex's own graph was always skipped) refined both
-// graphs a little, but its hand-overs within one graph kept a merge busy to its cap of eight
-// rounds: with pairs across only, merges of clustered halves ended after six or seven rounds,
-// and merges took 40% to 50% of a fresh build's time instead of 54% to 59%, at recall@10 (list
-// 64) within 0.0025 of the fresh build where the wider rule had been up to 0.002 above it (one
-// H100 and one H200: clustered 10M x 128 and 1M x 384, Zipf-sized clusters and anisotropic rows
-// 2M; benchmarks/README.md, "A merge compares pairs across the two graphs only").
-GRNND_HOST_DEVICE bool compares_pair(int64_t a, bool a_new, int64_t b, bool b_new, int64_t split) {
+// flags). In a merge only pairs across the two graphs are compared, as seed 003's GGM compares
+// them: what a merge must find is how the rows of one graph sit among those of the other, and a
+// pair of two rows of one graph was pruned by that graph's own build. Comparing the other graph's
+// rows with each other as well (a pair of two rows of the vertex's own graph was always skipped)
+// refined both graphs a little, but its hand-overs within one graph kept a merge busy to its cap
+// of eight rounds: with pairs across only, merges of clustered halves ended after six or seven
+// rounds, and merges took 40% to 50% of a fresh build's time instead of 54% to 59%, at
+// recall@10 (list 64) within 0.0025 of the fresh build where the wider rule had been up to 0.002
+// above it (one H100 and one H200: clustered 10M x 128 and 1M x 384, Zipf-sized clusters and
+// anisotropic rows 2M; benchmarks/README.md, "A merge compares pairs across the two graphs
+// only"). A growing graph compares every pair with a new row in it, for the same reason.
+GRNND_HOST_DEVICE bool compares_pair(int64_t a, bool a_new, int64_t b, bool b_new, const Split& split) {
   if (!a_new && !b_new) return false;
-  if (split == 0) return true;
-  return (a < split) != (b < split);
+  if (split.row == 0) return true;
+  if (split.grows) return a >= split.row || b >= split.row;
+  return (a < split.row) != (b < split.row);
 }
+
+// The rows whose changes the convergence test counts (run_schedule's n): a growing graph's own
+// rows settled in its build, and counting them too would halve the measure of a half added and
+// end the rounds an outer iteration early (anisotropic 2M x 96 rows, half added, the graph's rows
+// drawing nothing, one H200: recall@10 at list 64 0.6100 after 15 rounds counting all rows,
+// 0.6845 after 21 counting the new ones; a fresh build 0.7253 after 20).
+inline int64_t counted_rows(const Split& split, int64_t n) { return split.grows ? n - split.row : n; }
 
 constexpr double kOuterDelta = 10.0;
 

@@ -27,12 +27,14 @@ TORCH_LIBRARY(grnnd, m) {
   // GRNND graph build (seed 000, Algorithm 3). Defaults were measured: benchmarks/tune_build.py.
   // init: optional int32 [N, c] entries each vertex starts with besides its S draws, as already
   // compared ("old", seed 003's merge of built graphs), -1 padded (build_schedule.h, start_entries).
-  // init_split: where a merge's second graph starts; each row then draws from the other graph
-  // (hubs.h, initial_neighbour). 0: draws from all rows.
+  // init_split: where a merge's second graph starts (init_mode "merge"; each row then draws
+  // from the other graph, hubs.h, initial_neighbour) or a graph's new rows (init_mode "grow",
+  // Index.add); build_schedule.h, Split. 0: draws from all rows.
   m.def(
       "build(Tensor data, *, int degree=48, int initial_degree=16, int pool_size=48, int outer_iters=8, "
       "int inner_iters=8, float reverse_ratio=0.6, str update_order=\"descending\", str metric=\"l2\", "
-      "int seed=0, float delta=0.02, str start=\"hubs\", Tensor? init=None, int init_split=0) -> Tensor");
+      "int seed=0, float delta=0.02, str start=\"hubs\", Tensor? init=None, int init_split=0, "
+      "str init_mode=\"merge\") -> Tensor");
   // Batched greedy graph search; list_size=0 means max(k, 64). No argument is keyword-only:
   // torch.library.register_autograd (torch_grnnd/autograd.py) rejects keyword-only tensors
   // such as `filter`; the Python wrapper keeps them keyword-only for callers.
@@ -110,7 +112,9 @@ namespace {
 TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
   m.impl("build", [](const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, double, c10::string_view,
                      c10::string_view, int64_t, double, c10::string_view,
-                     const c10::optional<at::Tensor>&, int64_t) -> at::Tensor { no_cuda_kernel("build"); });
+                     const c10::optional<at::Tensor>&, int64_t, c10::string_view) -> at::Tensor {
+    no_cuda_kernel("build");
+  });
   m.impl("search", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
                       c10::string_view, int64_t, const c10::optional<at::Tensor>&, int64_t,
                       int64_t) -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("search"); });

@@ -151,7 +151,7 @@ def editing(g: torch.Generator):
                                            fixed=min(fixed, width), shrink=shrink)
     data = torch.randn(6000, 16, generator=g, device="cuda")
     index = grnnd.Index.build(data[:4000], degree=16, pool_size=32, outer_iters=2, inner_iters=2)
-    index.add(data[4000:5000])  # a quarter of the rows: a merge
+    index.add(data[4000:5000])  # a quarter of the rows: one build grows the graph (init_mode="grow")
     index.add(data[5000:5100])  # reverse edges into full rows
     index.add(data[5100:])
     index.remove(torch.arange(0, 6000, 7, device="cuda"))
@@ -168,8 +168,9 @@ def editing(g: torch.Generator):
     # init entries pruned among themselves first.
     rows = torch.randn(40_000, 8, generator=g, device="cuda")
     init = torch.randint(-1, 40_000, (40_000, 12), generator=g, device="cuda", dtype=torch.int32)
-    grnnd.build(rows, degree=8, pool_size=16, initial_degree=4, outer_iters=1, inner_iters=1, init=init,
-                init_split=20_000)
+    for mode in ("merge", "grow"):  # a growing graph's new rows draw from all members, skip their init rows
+        grnnd.build(rows, degree=8, pool_size=16, initial_degree=4, outer_iters=1, inner_iters=1, init=init,
+                    init_split=20_000, init_mode=mode)
     # The rule among the start's entries: from their Gram matrix (16-bit rows of whole chunks, one
     # of 40 wide whose last 8 coordinates stand alone; the distances to the row from the same
     # loads, for each metric) and a distance at a time (rows not of whole chunks, float32 rows).

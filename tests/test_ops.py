@@ -133,7 +133,7 @@ def test_settings_defaults_equal_schema_defaults(settings, op):
     # Every setting with a schema default has that default; metric belongs to the data, not the settings.
     schema = {a.name: a.default_value for a in op.default._schema.arguments if a.has_default_value()}
     schema.pop("metric")
-    for start in ("init", "init_split"):  # what the call starts from (ops.build's init), not settings
+    for start in ("init", "init_split", "init_mode"):  # what the call starts from (ops.build's init), not settings
         schema.pop(start, None)
     defaults = {f.name: f.default for f in dataclasses.fields(settings) if f.name in schema}
     assert defaults == schema and set(schema) <= {f.name for f in dataclasses.fields(settings)}

@@ -54,18 +54,18 @@ def cancel(done, total, changes=0):
     raise KeyboardInterrupt
 
 
-def test_a_large_add_reports_its_two_builds_and_a_small_one_nothing():
+def test_a_large_add_reports_its_build_and_a_small_one_nothing():
     index = grnnd.Index.build(DATA[:500], **FIXED)
     calls = []
     index.add(DATA[600:], progress=lambda done, total: calls.append((done, total)))
-    # The batch's own graph (2 x 2 rounds), then the merge: one outer iteration of 2 rounds.
-    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4), (1, 2), (2, 2)] and len(index) == 700
+    # One build of the union from the index's graph, with the index's 2 x 2 rounds.
+    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)] and len(index) == 700
     calls.clear()
     index.add(DATA[500:510], progress=lambda done, total: calls.append((done, total)))
     assert calls == [] and len(index) == 710
 
 
-@pytest.mark.parametrize("stop_at", [2, 5])  # in the batch's build, in the merge
+@pytest.mark.parametrize("stop_at", [1, 4])  # the build's first round, its last
 def test_an_interrupted_add_leaves_the_index_as_it_was(stop_at):
     index = grnnd.Index.build(DATA[:500], ids=torch.arange(1000, 1500), **FIXED)
     before = index.state_dict()

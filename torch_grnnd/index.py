@@ -10,13 +10,15 @@ from .params import BuildParams, SearchParams
 from .progress import Progress
 
 
-# A batch of at least this share of the index's rows is added by building its own graph and
-# merging the two (torch_grnnd.merging) instead of searching the graph for each new row. One
-# H100, 1M x 384: adding by search cost 1.6 to 2.5 us a row (16 ms for 10 000 rows, 1.24 s for
-# 500 000). With merges that compare pairs across the two graphs only, a batch of 20% of the
-# index took 0.256 s by search and 0.263 s by merge, of 25% 0.326 s and 0.276 s, and the search
-# left the better graph at every share (recall@10 0.990-0.991 against 0.984-0.986; benchmarks/README.md, "A
-# merge compares pairs across the two graphs only"), so the merge takes over at a quarter.
+# A batch of at least this share of the index's rows is added by one build of the index's rows
+# and the batch that starts from the index's graph (ops.build's init_mode="grow") instead of a
+# search of the graph for each new row. One H200, clustered 1M x 384 rows (fresh build 0.41 s,
+# recall@10 at list 64 0.9897): a batch of 10% took 0.124 s by search at 0.9898 and 0.182 s
+# grown at 0.9863, one of 25% 0.426 s by search at 0.9916 and 0.245 s grown at 0.9890; on
+# anisotropic 2M x 96 rows (fresh 0.66 s, 0.7253) 10% took 0.310 s by search and 0.370 s grown,
+# 25% 1.218 s and 0.492 s (benchmarks/README.md, "A large add grows the graph"). The search,
+# whose cost grows faster than the batch, leaves the better graph, so it keeps batches below a
+# quarter.
 LARGE_ADD_SHARE = 0.25
 
 
@@ -93,13 +95,13 @@ class Index:
         """Add ``vectors`` [B, D] (same dtype and device as the index) as new vertices of the
         graph, without a rebuild: each finds its candidates by a search of the graph (and among
         the batch), keeps them by the build's rule, and the nearest ``reverse_ratio`` share of the
-        rows it links to take it in (as the build gives reverse edges). A batch
-        of at least a quarter of the index's rows (``LARGE_ADD_SHARE``) instead gets its own
-        graph, which is merged with the index's (:func:`torch_grnnd.merge`). ``ids``:
-        their user ids, required when the index has ids (distinct, not in the index yet).
-        ``progress`` (as for :func:`torch_grnnd.build`) reports the rounds of a large add's two
-        builds, the batch's graph and then the merge, each counting from 1; a small add runs no
-        rounds and reports nothing. A refused, failed or interrupted add (a progress callback
+        rows it links to take it in (as the build gives reverse edges). A batch of at least a
+        quarter of the index's rows (``LARGE_ADD_SHARE``) instead joins the graph in one build
+        that starts from it: the index's rows keep their neighbours, and the rounds spend their
+        distances on pairs with a new row (``init_mode="grow"`` of :func:`torch_grnnd.build`).
+        ``ids``: their user ids, required when the index has ids (distinct, not in the index
+        yet). ``progress`` (as for :func:`torch_grnnd.build`) reports the rounds of a large
+        add's build; a small add runs no rounds and reports nothing. A refused, failed or interrupted add (a progress callback
         that raises) leaves the index as it was."""
         data = self.data
         if not isinstance(vectors, Tensor) or vectors.dim() != 2 or vectors.shape[1] != data.shape[1]:
@@ -127,7 +129,7 @@ class Index:
         removed = None if self.removed is None else torch.cat(
             [self.removed, torch.zeros(b, dtype=torch.bool, device=self.device)])
         if b >= n * LARGE_ADD_SHARE:
-            self._add_by_merge(vectors, new_ids, removed, progress)
+            self._add_by_growth(vectors, new_ids, removed, progress)
             return
         # Candidates: the nearest live rows a search finds, and the batch's own nearest rows.
         pool = min(self.build_params.pool_size, n)
@@ -147,16 +149,21 @@ class Index:
         self._store = store_data, store_graph
         self.data, self.graph, self.ids, self.removed = store_data[:n + b], store_graph[:n + b], new_ids, removed
 
-    def _add_by_merge(self, vectors: Tensor, ids: Optional[Tensor], removed: Optional[Tensor],
-                      progress: Progress) -> None:
-        """``add`` of a large batch: the batch's own graph, merged with the index's
-        (:mod:`torch_grnnd.merging`); the index changes only once both have been made."""
-        params = self.build_params
-        graph = ops.build(vectors, params, metric=self.metric, progress=progress)
-        data, graph = merging.merge_graphs(self.data, self.graph, vectors, graph, merging.schedule(params, {}),
-                                           self.metric, progress)
-        self._store = None
-        self.data, self.graph, self.ids, self.removed = data, graph, ids, removed
+    def _add_by_growth(self, vectors: Tensor, ids: Optional[Tensor], removed: Optional[Tensor],
+                       progress: Progress) -> None:
+        """``add`` of a large batch: one build of the index's rows and the batch, started from
+        the index's graph; the index changes only once it has been made."""
+        n, b = self.data.shape[0], vectors.shape[0]
+        store_data, store_graph = self._room_for(b)
+        store_data[n:n + b] = vectors
+        init = torch.cat([self.graph, self.graph.new_full((b, self.graph.shape[1]), -1)])
+        graph = ops.build(store_data[:n + b], self.build_params, metric=self.metric, progress=progress, init=init,
+                          init_split=n, init_mode="grow")
+        if graph.shape == store_graph[:n + b].shape:  # else a graph not of the build's width (Index(data, graph))
+            store_graph[:n + b] = graph
+            graph = store_graph[:n + b]
+        self._store = store_data, store_graph
+        self.data, self.graph, self.ids, self.removed = store_data[:n + b], graph, ids, removed
 
     def reserve(self, capacity: int) -> None:
         """Make room for ``capacity`` rows in all, so that adds up to that many copy none of the

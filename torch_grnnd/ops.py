@@ -20,7 +20,8 @@ Metric = str  # "l2" (squared Euclidean) | "ip" (negative inner product) | "cosi
 
 
 def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric = "l2", progress: Progress = False,
-          init: Optional[Tensor] = None, init_split: int = 0, device: Optional[Union[str, torch.device]] = None,
+          init: Optional[Tensor] = None, init_split: int = 0, init_mode: str = "merge",
+          device: Optional[Union[str, torch.device]] = None,
           max_gpu_memory: Optional[Union[int, str]] = None, **settings: Any) -> Tensor:
     """Build a GRNND graph (GPU-parallel Relative NN-Descent) over the rows of ``data``.
 
@@ -48,6 +49,11 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
         init_split: with ``init`` holding two graphs, rows ``[0, init_split)`` and
             ``[init_split, N)`` (a merge), each row draws its S from the other graph's rows:
             its own were compared by its own build. 0 (the default): draws from all rows.
+        init_mode: what rows ``[init_split, N)`` are: ``"merge"`` (the default), a second
+            graph; ``"grow"``, new rows without one (their ``init`` rows are not read), as
+            :meth:`Index.add <torch_grnnd.Index.add>` adds a large batch: they draw their S from
+            all rows, each row of the graph draws the new rows' share of S among them, pairs of
+            two rows of the graph are not compared, and the rounds stop when the new rows settle.
         device: build on this device rather than data's; the graph is returned where ``data``
             is. Rows on the CPU (pinned, or a memory-mapped file) that do not fit the device
             are built there in overlapping shards, copied in while the previous one builds,
@@ -70,7 +76,7 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
     """
     p = BuildParams.merge(params, **settings)
     if device is not None or max_gpu_memory is not None:
-        if init is not None or init_split:
+        if init is not None or init_split or init_mode != "merge":
             raise ValueError("build: init is not supported with device or max_gpu_memory (shards have no common rows)")
         from .out_of_core import build_in_shards  # imports ops: a module-level import would be circular
 
@@ -81,7 +87,7 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
             data, degree=p.degree, initial_degree=p.initial_degree, pool_size=p.pool_size,
             outer_iters=p.outer_iters, inner_iters=p.inner_iters, reverse_ratio=p.reverse_ratio,
             update_order=p.update_order, metric=metric, seed=p.seed, delta=p.delta, start=p.start, init=init,
-            init_split=init_split)
+            init_split=init_split, init_mode=init_mode)
 
     if not torch.compiler.is_compiling():  # a compiled graph cannot hold a host-side log call
         logger.debug("build: %s %s on %s, metric=%s, %s", tuple(data.shape), data.dtype, data.device, metric, p)

@@ -159,23 +159,24 @@ void keep_uncovered(const VectorSet& vectors, int64_t n, int64_t v, const int32_
 // Line 4 of Algorithm 3: S random distinct neighbours (self and repeats are dropped, so a
 // vertex may start with slightly fewer), drawn where start_cell (params.h, hubs.h) says; after
 // the entries of `init` where given that the rule keeps among themselves, as old ones
-// (build_schedule.h, start_entries); a merge's draws come from the other graph's rows (split,
-// initial_neighbour).
+// (build_schedule.h, start_entries); a merge's draws come from the other graph's rows, and a
+// growing graph's rows draw fewer, from the new rows (Split).
 void initialise(const VectorSet& vectors, int64_t n, const BuildParams& p, const Cells& cells, const at::Tensor& init,
-                int64_t split, Pools& pools) {
+                const Split& split, Pools& pools) {
   const CellView view = cell_view(cells);
   const int64_t columns = init.defined() ? init.size(1) : 0;
   const int32_t* start = init.defined() ? init.data_ptr<int32_t>() : nullptr;
   parallel_dynamic(n, 256, [&](int64_t v) {
-    if (columns > 0) {
+    if (columns > 0 && !split.new_row(v)) {
       thread_local std::vector<int32_t> ids;
       thread_local std::vector<float> dists;
       keep_uncovered(vectors, n, v, start + v * columns, columns, ids, dists);
       for (size_t j = 0; j < ids.size(); ++j) pools.insert(0, v, ids[j], dists[j], false);
     }
-    for (int s = 0; s < p.initial_degree; ++s) {
+    const int draws = split.draws(v, p.initial_degree);
+    for (int s = 0; s < draws; ++s) {
       const uint32_t r = random_u32(p.seed, Stream::kInitialNeighbours, static_cast<uint32_t>(v), 0, s);
-      const int64_t u = initial_neighbour(view, v, s, p.initial_degree, r, n, split);
+      const int64_t u = initial_neighbour(view, v, s, p.initial_degree, r, n, split.draws_from(v));
       if (u != v) pools.insert(0, v, static_cast<int32_t>(u), vectors(v, u), true);
     }
   });
@@ -223,7 +224,7 @@ struct HandOver {
 };
 
 int update_vertex(const VectorSet& vectors, Pools& pools, int read, int64_t v, uint32_t round,
-                  const BuildParams& p, int64_t split, std::vector<int>& order, std::vector<uint32_t>& keys,
+                  const BuildParams& p, const Split& split, std::vector<int>& order, std::vector<uint32_t>& keys,
                   std::vector<int>& kept, std::vector<HandOver>& moves) {
   const int write = read ^ 1;
   const uint32_t* slot = pools.slots(read, v);
@@ -289,7 +290,7 @@ void sample_reverse_edges(int64_t n, Pools& pools, int read, const BuildParams& 
 at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_degree, int64_t pool_size,
                      int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
                      c10::string_view metric, int64_t seed, double delta, c10::string_view start,
-                     const c10::optional<at::Tensor>& init, int64_t init_split) {
+                     const c10::optional<at::Tensor>& init, int64_t init_split, c10::string_view init_mode) {
   check_build_inputs(data);
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
                                           std::string(update_order), std::string(metric), seed, delta,
@@ -301,12 +302,12 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
   if (lift.defined()) vectors.lift = lift.data_ptr<float>();
 
   Pools pools(n, p.pool_size);
-  const int64_t split = start_split(init_split, n);
+  const Split split = start_split(init_split, init_mode, n, p);
   initialise(vectors, n, p, p.start == Start::kHubs ? partition_cells(x, lift) : Cells{}, start_entries(init, data, p),
              split, pools);
   int read = 0;
   run_schedule(
-      p, n,
+      p, counted_rows(split, n),
       [&](UpdateOrder order, uint32_t round, bool /*count: free here*/) {
         BuildParams iteration = p;
         iteration.update_order = order;

@@ -187,7 +187,7 @@ struct BuildArgs {
   UpdateOrder update_order;
   uint64_t seed;
   CellView cells;  // where initial neighbours are drawn (hubs.h); empty: uniformly
-  int64_t split;   // a merge's second graph starts at this row (initial_neighbour), else 0
+  Split split;     // where a merge's second graph or a growing graph's new rows start (build_schedule.h)
   int* changes;    // [n]: the pool entries each vertex's redirects changed in the last round
 };
 
@@ -457,8 +457,8 @@ __device__ int keep_uncovered(const T* __restrict__ x, const BuildArgs& args, co
   return stay;
 }
 
-// Line 4 of Algorithm 3: S distinct neighbours, the CPU's draws (initial_neighbour; self and
-// repeats are dropped in draw order), after the entries of `init` where given that the rule
+// Line 4 of Algorithm 3: S distinct neighbours (fewer for a growing graph's rows, Split), the
+// CPU's draws (initial_neighbour; self and repeats are dropped in draw order), after the entries of `init` where given that the rule
 // keeps among themselves, as old ones (build_schedule.h, start_entries): the pool matches the
 // CPU's slot for slot.
 template <typename T, int TEAM>
@@ -470,9 +470,11 @@ __global__ void __launch_bounds__(kBlockThreads)
   if (v >= pools.n) return;
   const int lane = threadIdx.x % kWarpSize, team = lane / TEAM, rank = lane % TEAM;
   const WarpScratch s = warp_scratch(pools.capacity);
-  for (int t = lane; t < initial_degree; t += kWarpSize) {
+  const int draws = args.split.draws(v, initial_degree);
+  for (int t = lane; t < draws; t += kWarpSize) {
     const uint32_t r = random_u32(args.seed, Stream::kInitialNeighbours, static_cast<uint32_t>(v), 0, t);
-    s.key[t] = static_cast<uint32_t>(initial_neighbour(args.cells, v, t, initial_degree, r, args.n, args.split));
+    s.key[t] = static_cast<uint32_t>(
+        initial_neighbour(args.cells, v, t, initial_degree, r, args.n, args.split.draws_from(v)));
   }
   // A candidate joins unless it is v, outside the data, or already in the pool; entries are
   // taken in order, 32 at a time, each behind the ones of lower lanes.
@@ -497,9 +499,10 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
     __syncwarp();
   };
-  for (int base = 0; base < init_columns; base += kWarpSize) {
+  const int columns = args.split.new_row(v) ? 0 : init_columns;
+  for (int base = 0; base < columns; base += kWarpSize) {
     const int c = base + lane;
-    const int32_t u = c < init_columns ? init[v * init_columns + c] : -1;
+    const int32_t u = c < columns ? init[v * init_columns + c] : -1;
     append(static_cast<uint32_t>(u), u >= 0);
   }
   if (count > 0) {
@@ -512,9 +515,9 @@ __global__ void __launch_bounds__(kBlockThreads)
     count = keep_uncovered<T, TEAM>(x, args, s, count, gram, lane);
   }
   const int old_count = count;
-  for (int base = 0; base < initial_degree; base += kWarpSize) {
+  for (int base = 0; base < draws; base += kWarpSize) {
     const int t = base + lane;
-    append(t < initial_degree ? s.key[t] : 0u, t < initial_degree);
+    append(t < draws ? s.key[t] : 0u, t < draws);
   }
   distances(old_count, count);
   uint32_t* slot = pools.slots_of(0, v);
@@ -764,7 +767,7 @@ int run_build(const T* x, const DevicePools& pools, const BuildArgs& args, const
     check_launch();
     read ^= 1;
   };
-  run_schedule(p, n, update, reverse);
+  run_schedule(p, counted_rows(args.split, n), update, reverse);
   // The rows go into the spare buffer's slots, [N, R] int32 holding [N, min(degree, R)], so
   // the graph needs no memory of its own while the pools are alive.
   finalise_kernel<<<blocks, kBlockThreads, shared, stream>>>(
@@ -823,7 +826,7 @@ int64_t free_device_bytes(c10::DeviceIndex device) {
 at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_degree, int64_t pool_size,
                       int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
                       c10::string_view metric, int64_t seed, double delta, c10::string_view start,
-                      const c10::optional<at::Tensor>& init, int64_t init_split) {
+                      const c10::optional<at::Tensor>& init, int64_t init_split, c10::string_view init_mode) {
   check_build_inputs(data);
   const c10::cuda::CUDAGuard guard(data.device());
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
@@ -882,7 +885,7 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
                        p.update_order,
                        p.seed,
                        cell_view(cells),
-                       start_split(init_split, n),
+                       start_split(init_split, init_mode, n, p),
                        changes.data_ptr<int>()};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index());
   int graph_buffer = 0;
