@@ -227,6 +227,17 @@ def test_a_large_add_that_fails_changes_nothing(halves, monkeypatch):
                for k, v in index.state_dict().items())
 
 
+def test_a_large_add_to_a_graph_of_another_width(halves):
+    # An index wrapped around a graph narrower than its settings' degree: the grown graph has the
+    # build's width, in new storage, and later adds work on it.
+    data = halves[0][:3000]
+    index = grnnd.Index(data[:2000], grnnd.build(data[:2000], degree=16))
+    index.add(data[2000:])
+    assert index.graph.shape == (3000, grnnd.BuildParams().degree) and torch.equal(index.data, data)
+    index.add(data[:10] + 0.5)
+    assert len(index) == 3010 and index.graph.shape == (3010, grnnd.BuildParams().degree)
+
+
 def test_a_growing_build_reads_no_init_row_of_its_new_rows(halves):
     data = halves[0][:6000]
     graph = grnnd.build(data[:4000])

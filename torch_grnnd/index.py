@@ -12,13 +12,12 @@ from .progress import Progress
 
 # A batch of at least this share of the index's rows is added by one build of the index's rows
 # and the batch that starts from the index's graph (ops.build's init_mode="grow") instead of a
-# search of the graph for each new row. One H200, clustered 1M x 384 rows (fresh build 0.41 s,
-# recall@10 at list 64 0.9897): a batch of 10% took 0.124 s by search at 0.9898 and 0.182 s
-# grown at 0.9863, one of 25% 0.426 s by search at 0.9916 and 0.245 s grown at 0.9890; on
-# anisotropic 2M x 96 rows (fresh 0.66 s, 0.7253) 10% took 0.310 s by search and 0.370 s grown,
-# 25% 1.218 s and 0.492 s (benchmarks/README.md, "A large add grows the graph"). The search,
-# whose cost grows faster than the batch, leaves the better graph, so it keeps batches below a
-# quarter.
+# search of the graph for each new row. One H100, `python benchmarks/bench_update.py` (fresh
+# build 0.44 s, recall@10 at list 64 0.9897; clustered 1M x 384): a batch of 10% took 0.139 s by
+# search at 0.9898 and 0.197 s grown at 0.9863, one of 25% 0.449 s by search at 0.9916 and
+# 0.268 s grown at 0.9890; anisotropic 2M x 96 rows (fresh 0.68 s, 0.7253): 10% 0.328 s at
+# 0.7444 and 0.383 s at 0.7209, 25% 1.309 s at 0.7689 and 0.503 s at 0.7319. The search leaves
+# the better graph but its cost grows faster than the batch, so batches from a quarter grow.
 LARGE_ADD_SHARE = 0.25
 
 

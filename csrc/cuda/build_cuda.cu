@@ -458,9 +458,9 @@ __device__ int keep_uncovered(const T* __restrict__ x, const BuildArgs& args, co
 }
 
 // Line 4 of Algorithm 3: S distinct neighbours (fewer for a growing graph's rows, Split), the
-// CPU's draws (initial_neighbour; self and repeats are dropped in draw order), after the entries of `init` where given that the rule
-// keeps among themselves, as old ones (build_schedule.h, start_entries): the pool matches the
-// CPU's slot for slot.
+// CPU's draws (initial_neighbour; self and repeats are dropped in draw order), after the entries
+// of `init` where given that the rule keeps among themselves, as old ones (build_schedule.h,
+// start_entries): the pool matches the CPU's slot for slot.
 template <typename T, int TEAM>
 __global__ void __launch_bounds__(kBlockThreads)
     initialise_kernel(const T* __restrict__ x, DevicePools pools, BuildArgs args, int initial_degree,
