@@ -252,16 +252,21 @@ def test_a_growing_build_reads_no_init_row_of_its_new_rows(halves):
         grnnd.build(data, init_mode="grow", device="cpu")
 
 
+def anisotropic(rows):
+    """Anisotropic Gaussian rows x 48 (no clusters), 500 queries after them, and their exact top 10."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows + 500, 48, generator=g) * torch.logspace(0, -1, 48)
+    data, queries = x[:rows].contiguous(), x[rows:].contiguous()
+    return data, queries, exact_neighbours(data, queries, 10)[1]
+
+
 def test_a_grown_graph_keeps_recall_where_neighbourhoods_are_hard_to_find():
     # Anisotropic Gaussian rows, half of them added in one call: the index's rows draw the new
     # rows' share of S among them and the rounds stop when the new rows settle (build_schedule.h,
     # Split and counted_rows). Fewer rows lose more: with 60 000 of these rows the grown graph
     # recalled 0.9238 against 0.9314 fresh at list 32, with 100 000 0.910 against 0.912, with
     # 200 000 0.874 against 0.871 (2 threads).
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(100_500, 48, generator=g) * torch.logspace(0, -1, 48)
-    data, queries = x[:100_000].contiguous(), x[100_000:].contiguous()
-    truth = exact_neighbours(data, queries, 10)[1]
+    data, queries, truth = anisotropic(100_000)
     with one_thread():
         fresh = grnnd.Index.build(data)
         grown = grnnd.Index.build(data[:50_000])
@@ -274,10 +279,7 @@ def test_a_merge_keeps_recall_where_neighbourhoods_are_hard_to_find():
     # Anisotropic Gaussian rows: no clusters, so the hubs' cells say little and a merge must find
     # the other half's neighbours through its draws. With half the build's draws this merge lost
     # 0.013 (0.9184 against 0.9314); the build's own draws keep the fresh build's recall.
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(60_500, 48, generator=g) * torch.logspace(0, -1, 48)
-    data, queries = x[:60_000].contiguous(), x[60_000:].contiguous()
-    truth = exact_neighbours(data, queries, 10)[1]
+    data, queries, truth = anisotropic(60_000)
     with one_thread():
         fresh = grnnd.Index.build(data)
         merged = grnnd.merge(grnnd.Index.build(data[:30_000]), grnnd.Index.build(data[30_000:]))

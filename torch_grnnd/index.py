@@ -100,8 +100,8 @@ class Index:
         distances on pairs with a new row (``init_mode="grow"`` of :func:`torch_grnnd.build`).
         ``ids``: their user ids, required when the index has ids (distinct, not in the index
         yet). ``progress`` (as for :func:`torch_grnnd.build`) reports the rounds of a large
-        add's build; a small add runs no rounds and reports nothing. A refused, failed or interrupted add (a progress callback
-        that raises) leaves the index as it was."""
+        add's build; a small add runs no rounds and reports nothing. A refused, failed or
+        interrupted add (a progress callback that raises) leaves the index as it was."""
         data = self.data
         if not isinstance(vectors, Tensor) or vectors.dim() != 2 or vectors.shape[1] != data.shape[1]:
             raise ValueError(f"vectors: expected a [B, {data.shape[1]}] tensor, got "
