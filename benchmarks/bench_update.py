@@ -5,8 +5,8 @@
     python benchmarks/bench_update.py --device cpu --data clustered:n=20000,d=48,clusters=20,queries=1000
 
 Data as benchmarks/bench_gpu.py loads it (a text_embeddings.py file, or clustered blobs made on
-the device). Three scenarios, each against a fresh build of the same rows in the same run,
-recall@10 at list 64 (exact ground truth from grnnd.knn over the rows the index holds):
+the device). Four scenarios (--scenarios runs some of them), each against a fresh build of the
+same rows in the same run, recall@10 at list 64 (exact ground truth from grnnd.knn over the rows the index holds):
   daily inserts  build 90%, then add the other 10% in ten batches of 1% (time of each add),
                  twice: the process's first adds, and the same adds again;
   bulk growth    build the first half, add the second half in one call (the graph grows in one
@@ -17,7 +17,8 @@ recall@10 at list 64 (exact ground truth from grnnd.knn over the rows the index 
   deletes        remove a random 10% (no removed id may come back), then compact.
 Times: CUDA events on a GPU, wall clock on the CPU, after one pass of every path on a few rows
 (the process's first launch of each kernel is not an add's cost; the first add's growth of the
-storage is, and stays in). Writes update_<name>.{json,md} under --out.
+storage is, and stays in). Writes update_<name>.{json,md} under --out (update_<name>_<scenarios>
+when not all of them ran).
 """
 import argparse
 import json
@@ -114,7 +115,9 @@ WAYS = {"search": "by search", "grown": "grown in one build"}
 def large_adds(base, queries, device) -> dict:
     n = base.shape[0]
     truth = truth_over(base, torch.arange(n, device=device), queries)
-    out = {}
+    fresh, fresh_s = timed(lambda: grnnd.Index.build(base), device)
+    out = {"fresh_build_s": fresh_s, "fresh_recall": recall(fresh, queries, truth)}
+    del fresh
     for share in SHARES:
         first = n - int(n * share)
         index = grnnd.Index.build(base[:first])
@@ -159,9 +162,9 @@ def setup(description: str, data: str, arguments=None):
     if arguments is not None:
         arguments(p)
     args = p.parse_args()
-    # The command as the result files quote it: the script with the data and device it was given.
+    # The command as the result files quote it: the script with the arguments it was given but --out.
     args.command = " ".join([f"python benchmarks/{os.path.basename(sys.argv[0])}"] + [
-        f"--{key} {getattr(args, key)}" for key in ("data", "device") if getattr(args, key) != p.get_default(key)])
+        f"--{key} {value}" for key, value in vars(args).items() if key != "out" and value != p.get_default(key)])
     device = torch.device(args.device)
     name, base, queries, _ = load_data(args.data, device)
     if device.type == "cpu":
@@ -173,43 +176,70 @@ def setup(description: str, data: str, arguments=None):
     return args, device, name, base, queries
 
 
+SCENARIOS = {f.__name__: f for f in (daily_inserts, bulk_growth, large_adds, deletes)}
+
+
 def main():
-    args, device, name, base, queries = setup(__doc__, "clustered:n=1000000,d=384,clusters=1000,queries=10000")
+    def arguments(p):
+        p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                       help="which to run, comma-separated (at 10M x 1024 one takes minutes)")
+    args, device, name, base, queries = setup(__doc__, "clustered:n=1000000,d=384,clusters=1000,queries=10000",
+                                              arguments)
+    chosen = args.scenarios.split(",")
+    unknown = sorted(set(chosen) - set(SCENARIOS))
+    if unknown:
+        raise SystemExit(f"--scenarios: unknown {unknown}; choose from {list(SCENARIOS)}")
     results = {"data": name, "n": base.shape[0], "dim": base.shape[1], "list_size": LIST,
                "machine": machine(threads=torch.get_num_threads(), cuda=device.type == "cuda")}
     warm_up(base, queries)
-    for scenario in (daily_inserts, bulk_growth, large_adds, deletes):
-        results[scenario.__name__] = scenario(base, queries, device)
-        print(scenario.__name__, json.dumps(results[scenario.__name__]), flush=True)
+    for scenario in chosen:
+        results[scenario] = SCENARIOS[scenario](base, queries, device)
+        print(scenario, json.dumps(results[scenario]), flush=True)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"update_{name}")
+    # A run of some scenarios only is named after them, so it never overwrites a whole run.
+    stem = os.path.join(args.out, f"update_{name}" + ("" if len(chosen) == len(SCENARIOS) else "_" + "_".join(chosen)))
     with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=1)
-    d, b, a, r = results["daily_inserts"], results["bulk_growth"], results["large_adds"], results["deletes"]
-    adds, again = sorted(d["add_s"]), sorted(d["add_again_s"])
-    lines = [f"# Index updates, {name} ({results['n']:,} x {results['dim']})", "",
-             f"Machine: {machine_line(results['machine'])}. recall@10 at list {LIST}; `{args.command}`.", "",
-             "| scenario | time | recall | fresh build: time, recall |", "|---|---|---:|---|",
-             f"| daily inserts: build 90%, 10 adds of {d['rows_per_add']:,} | build {d['build_90_s']:.2f} s, "
-             f"add median {adds[len(adds) // 2] * 1000:.1f} ms (max {adds[-1] * 1000:.1f}; the first, which grows "
-             f"the storage, {d['add_s'][0] * 1000:.1f}); the same adds again in the process: median "
-             f"{again[len(again) // 2] * 1000:.1f} ms, max {again[-1] * 1000:.1f} | {d['recall']:.4f} | "
-             f"{d['fresh_build_s']:.2f} s, {d['fresh_recall']:.4f} |",
-             f"| bulk growth: build half, add half | build {b['build_half_s']:.2f} s + add {b['add_half_s']:.2f} s "
-             f"({b['add_half_s'] / b['fresh_build_s']:.0%} of the fresh build) | "
-             f"{b['recall']:.4f} | {b['fresh_build_s']:.2f} s, {b['fresh_recall']:.4f} |",
-             f"| bulk growth: merge the two halves' indexes | merge {b['merge_halves_s']:.2f} s | "
-             f"{b['merge_recall']:.4f} | {b['fresh_build_s']:.2f} s, {b['fresh_recall']:.4f} |",
-             *[f"| large add: build {1 - s:.0%}, add {s:.0%} {WAYS[way]} | {a[f'{s}_{way}_s']:.3f} s "
-               f"({a[f'{s}_{way}_s'] / b['fresh_build_s']:.0%} of the fresh build) | {a[f'{s}_{way}_recall']:.4f} | "
-               f"{b['fresh_build_s']:.2f} s, {b['fresh_recall']:.4f} |" for s in SHARES for way in ("search", "grown")],
-             f"| deletes: remove 10%, compact | remove {r['remove_s'] * 1000:.1f} ms, compact {r['compact_s']:.2f} s "
-             f"(removed ids returned before compact: {r['removed_ids_returned']}; recall then "
-             f"{r['recall_before_compact']:.4f}) | {r['recall']:.4f} | {r['fresh_build_s']:.2f} s, "
-             f"{r['fresh_recall']:.4f} |"]
     with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(report_lines(results, name, args.command)) + "\n")
     print("wrote", stem + ".json", stem + ".md")
+
+
+def report_lines(results: dict, name: str, command: str) -> list:
+    """The markdown table of a run, a row for each scenario it ran."""
+    lines = [f"# Index updates, {name} ({results['n']:,} x {results['dim']})", "",
+             f"Machine: {machine_line(results['machine'])}. recall@10 at list {LIST}; `{command}`.", "",
+             "| scenario | time | recall | fresh build: time, recall |", "|---|---|---:|---|"]
+    if "daily_inserts" in results:
+        d = results["daily_inserts"]
+        adds, again = sorted(d["add_s"]), sorted(d["add_again_s"])
+        lines.append(
+            f"| daily inserts: build 90%, 10 adds of {d['rows_per_add']:,} | build {d['build_90_s']:.2f} s, "
+            f"add median {adds[len(adds) // 2] * 1000:.1f} ms (max {adds[-1] * 1000:.1f}; the first, which grows "
+            f"the storage, {d['add_s'][0] * 1000:.1f}); the same adds again in the process: median "
+            f"{again[len(again) // 2] * 1000:.1f} ms, max {again[-1] * 1000:.1f} | {d['recall']:.4f} | "
+            f"{d['fresh_build_s']:.2f} s, {d['fresh_recall']:.4f} |")
+    if "bulk_growth" in results:
+        b = results["bulk_growth"]
+        fresh = f"{b['fresh_build_s']:.2f} s, {b['fresh_recall']:.4f}"
+        lines += [f"| bulk growth: build half, add half | build {b['build_half_s']:.2f} s + add {b['add_half_s']:.2f} s "
+                  f"({b['add_half_s'] / b['fresh_build_s']:.0%} of the fresh build) | {b['recall']:.4f} | {fresh} |",
+                  f"| bulk growth: merge the two halves' indexes | merge {b['merge_halves_s']:.2f} s | "
+                  f"{b['merge_recall']:.4f} | {fresh} |"]
+    if "large_adds" in results:
+        a = results["large_adds"]
+        fresh_s, fresh_recall = a["fresh_build_s"], a["fresh_recall"]
+        lines += [f"| large add: build {1 - s:.0%}, add {s:.0%} {WAYS[way]} | {a[f'{s}_{way}_s']:.3f} s "
+                  f"({a[f'{s}_{way}_s'] / fresh_s:.0%} of the fresh build) | {a[f'{s}_{way}_recall']:.4f} | "
+                  f"{fresh_s:.2f} s, {fresh_recall:.4f} |" for s in SHARES for way in ("search", "grown")]
+    if "deletes" in results:
+        r = results["deletes"]
+        lines.append(
+            f"| deletes: remove 10%, compact | remove {r['remove_s'] * 1000:.1f} ms, compact {r['compact_s']:.2f} s "
+            f"(removed ids returned before compact: {r['removed_ids_returned']}; recall then "
+            f"{r['recall_before_compact']:.4f}) | {r['recall']:.4f} | {r['fresh_build_s']:.2f} s, "
+            f"{r['fresh_recall']:.4f} |")
+    return lines
 
 
 if __name__ == "__main__":
