@@ -153,7 +153,11 @@ def editing(g: torch.Generator):
     index = grnnd.Index.build(data[:4000], degree=16, pool_size=32, outer_iters=2, inner_iters=2)
     index.add(data[4000:5000])  # a quarter of the rows: one build grows the graph (init_mode="grow")
     index.add(data[5000:5100])  # reverse edges into full rows
-    index.add(data[5100:])
+    exact_rows, grnnd.index.EXACT_BATCH_ROWS = grnnd.index.EXACT_BATCH_ROWS, 500
+    try:
+        index.add(data[5100:])  # 900 rows: their candidates among themselves from their own build
+    finally:
+        grnnd.index.EXACT_BATCH_ROWS = exact_rows
     index.remove(torch.arange(0, 6000, 7, device="cuda"))
     index.compact()
     index.search(data[:10], 5)

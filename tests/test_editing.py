@@ -288,3 +288,30 @@ def test_retriever_keeps_its_room_between_adds(vectors):
     restored = grnnd.nn.Retriever()
     restored.load_state_dict(state)
     assert torch.equal(restored(data[:20])[1], retriever(data[:20])[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_large_batch_finds_its_own_neighbours_by_a_build(overlapping, device, monkeypatch):
+    # Above EXACT_BATCH_ROWS the batch's own candidates come from a build of the batch, not from
+    # its exact k-NN (B^2 x D): the add must link the rows as well as the exact candidates do.
+    data, queries, truth = (t.to(device) for t in overlapping)
+    monkeypatch.setattr(grnnd.index, "LARGE_ADD_SHARE", float("inf"))  # a search for each row
+    builds = []
+    build = grnnd.ops.build
+    monkeypatch.setattr(grnnd.ops, "build", lambda rows, *a, **k: builds.append(rows.shape[0]) or build(rows, *a, **k))
+    with one_thread():
+        index = grnnd.Index.build(data[:17_000])
+        added = {}
+        for exact_rows in (3000, 2999):  # the batch of 3000 rows: exact, then by a build
+            monkeypatch.setattr(grnnd.index, "EXACT_BATCH_ROWS", exact_rows)
+            builds.clear()
+            copy = grnnd.Index(index.data, index.graph, index.metric, index.build_params)
+            copy.add(data[17_000:])
+            assert builds == ([] if exact_rows == 3000 else [3000])
+            added[exact_rows] = copy
+    graph = added[2999].graph
+    assert graph.shape == (20_000, index.graph.shape[1]) and int(graph.min()) >= -1 and int(graph.max()) < 20_000
+    exact, built = (grnnd.recall(ix.search(queries, 10, list_size=32)[1], truth) for ix in added.values())
+    assert built >= exact - 0.005, (built, exact)
+    own = added[2999].search(data[17_000:], 1, list_size=32)[1].flatten()
+    assert (own == torch.arange(17_000, 20_000, device=device)).float().mean() >= 0.99

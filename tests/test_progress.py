@@ -54,7 +54,7 @@ def cancel(done, total, changes=0):
     raise KeyboardInterrupt
 
 
-def test_a_large_add_reports_its_build_and_a_small_one_nothing():
+def test_a_large_add_reports_its_build_and_a_small_one_nothing(monkeypatch):
     index = grnnd.Index.build(DATA[:500], **FIXED)
     calls = []
     index.add(DATA[600:], progress=lambda done, total: calls.append((done, total)))
@@ -63,6 +63,10 @@ def test_a_large_add_reports_its_build_and_a_small_one_nothing():
     calls.clear()
     index.add(DATA[500:510], progress=lambda done, total: calls.append((done, total)))
     assert calls == [] and len(index) == 710
+    # A batch searched for but above EXACT_BATCH_ROWS: the build of the batch reports.
+    monkeypatch.setattr(grnnd.index, "EXACT_BATCH_ROWS", 50)
+    index.add(DATA[510:600], progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)] and len(index) == 800
 
 
 @pytest.mark.parametrize("stop_at", [1, 4])  # the build's first round, its last
