@@ -123,6 +123,42 @@ def test_compaction_keeps_recall_for_every_metric(vectors, metric):
     assert recall >= rebuilt - 0.01, (recall, rebuilt)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_compaction_follows_its_recipe(vectors, device):
+    # Each row that pointed at removed vectors is pruned again (its live entries fixed) from its
+    # live entries, then, for each removed entry in row order, the live ones among the first
+    # per_hop entries of that entry's row, in their order: built here one row at a time.
+    from torch_grnnd import editing
+    data = vectors[0][:3000].to(device)
+    n = data.shape[0]
+    graph = grnnd.build(data)
+    degree = graph.shape[1]
+    removed = torch.zeros(n, dtype=torch.bool)
+    removed[torch.randperm(n, generator=torch.Generator().manual_seed(3))[: n // 10]] = True
+    kept_rows, compacted = editing.consolidate(data, "l2", graph, removed.to(device))
+    per_hop = max(1, min(degree, (editing.MAX_CANDIDATES - degree) // degree))
+    rows, lists, table, removed = [], [], graph.cpu().tolist(), removed.tolist()
+    for r, row in enumerate(table):
+        if removed[r] or not any(u >= 0 and removed[u] for u in row):
+            continue
+        through = [w for u in row if u >= 0 and removed[u] for w in table[u][:per_hop]]
+        rows.append(r)
+        lists.append(([u if u >= 0 and not removed[u] else -1 for u in row],
+                      [w for w in through if w >= 0 and not removed[w]]))
+    assert len(rows) > n // 2
+    width = max(len(t) for _, t in lists)
+    candidates = torch.tensor([own + t + [-1] * (width - len(t)) for own, t in lists], device=device)
+    repaired = editing.prune_rows(data, "l2", torch.tensor(rows, device=device), candidates, degree, fixed=degree)
+    renumber = torch.full((n,), -1, dtype=torch.long)
+    renumber[kept_rows.cpu()] = torch.arange(kept_rows.numel())
+    full = (repaired >= 0).sum(1) >= min(editing.MIN_OUT_DEGREE, degree)  # short rows look further
+    assert bool(full.float().mean() > 0.99)
+    for row, want, whole in zip(rows, repaired.cpu().tolist(), full.tolist()):
+        if whole:  # the repaired row, renumbered to the kept rows
+            ids = [int(renumber[w]) for w in want if w >= 0]
+            assert compacted[int(renumber[row])].tolist() == ids + [-1] * (degree - len(ids)), row
+
+
 @pytest.fixture(scope="module")
 def overlapping():
     """Few, wide clusters: a harder set, where recall differences show at list 32."""

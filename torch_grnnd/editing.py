@@ -69,9 +69,17 @@ def consolidate(data: Tensor, metric: str, graph: Tensor, removed: Tensor) -> Tu
     for start in range(0, affected.numel(), per_chunk):
         rows = affected[start:start + per_chunk]
         own = graph[rows].long()                                          # [m, degree]
-        through = graph[own.clamp_min(0), :per_hop].long()                # [m, degree, per_hop]
-        through = through.masked_fill(~hits_removed[rows].unsqueeze(2), -1).flatten(1)
-        candidates = torch.cat([own, through], dim=1)
+        # Only the removed entries' rows are gathered (a tenth of the entries' rows with a tenth
+        # removed), each into the block of its rank among its row's removed entries:
+        # [m, widest, per_hop], widest the most any row of the chunk has, where masking all the
+        # entries' rows took [m, degree, per_hop]. The candidates keep their order: the removed
+        # entries in row order, the first per_hop entries of each one's row in that row's order.
+        hits = hits_removed[rows]
+        at_row, at_column = hits.nonzero(as_tuple=True)
+        rank = hits.cumsum(1)[at_row, at_column] - 1
+        through = own.new_full((rows.numel(), int(rank.max()) + 1, per_hop), -1)
+        through[at_row, rank] = graph[own[at_row, at_column], :per_hop].long()
+        candidates = torch.cat([own, through.flatten(1)], dim=1)
         candidates = candidates.masked_fill((candidates < 0) | removed[candidates.clamp_min(0)], -1)
         # The row's live entries stay (the build chose them, reverse edges included); the places
         # of the removed ones go to the removed vertices' neighbours that the rule lets in.
