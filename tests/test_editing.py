@@ -261,6 +261,82 @@ def test_a_refused_or_failed_add_changes_nothing(vectors, monkeypatch):
     assert len(index) == 1500
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_removed_id_can_be_added_again(vectors, device):
+    # Replacing a vector: remove its id, then add the new vector under the same id. Until a
+    # compaction the id is on two rows, the removed one and the live one.
+    data = vectors[0][:3000].to(device)
+    index = grnnd.Index.build(data[:2000], ids=torch.arange(2000, device=device) + 10_000)
+    replaced = torch.tensor([10_003, 10_500, 11_999], device=device)
+    index.remove(replaced)
+    with pytest.raises(ValueError, match=r"already in the index: \[10001\]"):
+        index.add(data[2000:2002], ids=torch.tensor([10_003, 10_001], device=device))
+    index.add(data[2000:2003], ids=replaced)
+    assert len(index) == 2000 and index.ids.shape == (2003,)
+    assert torch.equal(index.rows_of(replaced), torch.arange(2000, 2003, device=device))
+    assert torch.equal(index.search(data[2000:2003], 1, list_size=32)[1].flatten(), replaced)
+    # The old vectors are not found under any id: each returned id's row is live.
+    _, found = index.search(data[[3, 500, 1999]], 10, list_size=32)
+    assert not index.removed[index.rows_of(found.flatten())].any()
+    with pytest.raises(ValueError, match=r"already in the index: \[10500\]"):
+        index.add(data[2003:2004], ids=torch.tensor([10_500], device=device))
+    restored = grnnd.Index.from_state_dict(index.state_dict())
+    assert torch.equal(restored.rows_of(replaced), index.rows_of(replaced))
+    assert torch.equal(restored.search(data[:50], 10)[1], index.search(data[:50], 10)[1])
+    # A removed id that is also live elsewhere may be merged with it; a live one may not.
+    other = grnnd.Index.build(data[2500:2700], ids=torch.arange(200, device=device) + 20_000)
+    other.remove(torch.tensor([20_000], device=device))
+    other.add(data[2700:2701], ids=torch.tensor([20_000], device=device))
+    merged = grnnd.merge(index, grnnd.Index(other.data, other.graph, ids=torch.cat(
+        [torch.tensor([10_500], device=device), other.ids[1:]]), removed=other.removed))
+    assert len(merged) == 2200
+    with pytest.raises(ValueError, match=r"ids live in both indexes: \[10003\]"):
+        grnnd.merge(index, grnnd.Index(other.data, other.graph, ids=torch.cat(
+            [other.ids[:1], torch.tensor([10_003], device=device), other.ids[2:]]), removed=other.removed))
+    # Removed again, the live row goes; a third time the id has no live row left.
+    index.remove(replaced[:1])
+    assert bool(index.removed[2000]) and len(index) == 1999
+    with pytest.raises(ValueError, match=r"already removed: \[10003\]"):
+        index.remove(replaced[:1])
+    index.compact()
+    assert index.ids.unique().numel() == index.ids.numel() == len(index) == 1999
+    assert torch.equal(index.search(data[2001:2003], 1, list_size=32)[1].flatten(), replaced[1:])
+
+
+def test_a_state_with_ids_repeated_on_live_rows_is_refused():
+    index = grnnd.Index.build(torch.randn(200, 4), ids=torch.arange(200))
+    index.remove(torch.tensor([5]))
+    state = index.state_dict()
+    state["ids"] = torch.arange(200).index_fill(0, torch.tensor([7]), 5)  # 5 on a removed row and a live one
+    assert torch.equal(grnnd.Index.from_state_dict(state).rows_of(torch.tensor([5])), torch.tensor([7]))
+    state["ids"] = torch.arange(200).index_fill(0, torch.tensor([7]), 6)  # 6 on two live rows
+    with pytest.raises(ValueError, match="distinct ids among the rows not removed"):
+        grnnd.Index.from_state_dict(state)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_index_emptied_by_removal_still_searches(device):
+    data = torch.randn(300, 8, generator=torch.Generator().manual_seed(3)).to(device)
+    queries = data[:4] + 0.01
+    index = grnnd.Index.build(data, ids=torch.arange(300, device=device))
+    index.remove(torch.arange(300, device=device))
+    nothing = (torch.full((4, 5), float("inf"), device=device), torch.full((4, 5), -1, device=device))
+    for emptied in (False, True):
+        if emptied:
+            index.compact()
+            assert index.data.shape == (0, 8)
+        assert len(index) == 0
+        dists, ids = index.search(queries, 5)
+        assert torch.equal(dists, nothing[0]) and torch.equal(ids, nothing[1])
+    restored = grnnd.Index.from_state_dict(index.state_dict())
+    assert torch.equal(restored.search(queries, 5)[1], nothing[1])
+    with pytest.raises(ValueError, match=r"queries: expected a floating-point \[Q, 8\] tensor, got \(4, 7\)"):
+        index.search(queries[:, :7], 5)
+    index.add(data[:50], ids=torch.arange(50, device=device) + 1000)
+    assert len(index) == 50
+    assert torch.equal(index.search(data[:5], 1)[1].flatten(), torch.arange(5, device=device) + 1000)
+
+
 def test_a_state_with_repeated_ids_is_refused():
     index = grnnd.Index.build(torch.randn(200, 4), ids=torch.arange(200))
     state = index.state_dict()
@@ -324,6 +400,18 @@ def test_retriever_keeps_its_room_between_adds(vectors):
     restored = grnnd.nn.Retriever()
     restored.load_state_dict(state)
     assert torch.equal(restored(data[:20])[1], retriever(data[:20])[1])
+
+
+def test_a_retriever_replaces_a_vector_under_its_id(vectors):
+    data = vectors[0][:1100]
+    retriever = grnnd.nn.Retriever(k=1)
+    retriever.rebuild(data[:1000], ids=torch.arange(1000) + 500)
+    retriever.remove(torch.tensor([510])).add(data[1000:1001], ids=torch.tensor([510]))
+    assert len(retriever) == 1000 and retriever(data[1000:1001])[1].item() == 510
+    restored = grnnd.nn.Retriever()
+    restored.load_state_dict(retriever.state_dict())  # 510 is on a removed row and a live one
+    assert torch.equal(restored(data[:20])[1], retriever(data[:20])[1])
+    assert restored(data[1000:1001])[1].item() == 510
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -58,7 +58,7 @@ def test_merge_keeps_tombstones_and_refuses_mismatches(halves):
         (a, grnnd.Index.build(data[2000:, :16].contiguous()), "one width, dtype and device"),
         (a, grnnd.Index.build(data[2000:].double()), "one width, dtype and device"),
         (a, with_ids, "one index has user ids"),
-        (with_ids, grnnd.Index.build(data[2000:], ids=torch.arange(1990, 3990)), r"ids in both indexes: \[1990"),
+        (with_ids, grnnd.Index.build(data[2000:], ids=torch.arange(1990, 3990)), r"ids live in both indexes: \[1990"),
     ]:
         with pytest.raises(ValueError, match=match):
             grnnd.merge(left, right)

@@ -94,6 +94,8 @@ class Index:
         """``(dists, ids)`` of the k nearest live vectors of each query, as user ids where the
         index has them; see :func:`torch_grnnd.search` (a ``filter`` is over rows)."""
         merged = SearchParams.merge(params, **settings)
+        if self.data.shape[0] == 0:  # every row removed and compacted away
+            return self._nothing_found(queries, SearchParams.merge(merged, k=k).k)
         if self.removed is not None:
             # On the search's device: the queries', where data may be pinned host rows (search).
             live = ~self.removed.to(queries.device)
@@ -105,6 +107,20 @@ class Index:
         ids = self.ids[rows.clamp_min(0).to(self.ids.device)].to(rows.device)
         return dists, torch.where(rows >= 0, ids, rows)
 
+    def _nothing_found(self, queries: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+        """What a search of an index without rows returns (after the queries' checks): no row
+        found, ids -1 and distances +inf, as for a query whose rows are all removed."""
+        if not isinstance(queries, Tensor) or queries.dim() != 2 or queries.shape[1] != self.dim \
+                or not queries.is_floating_point():
+            raise ValueError(f"queries: expected a floating-point [Q, {self.dim}] tensor, got "
+                             f"{tuple(queries.shape) if isinstance(queries, Tensor) else type(queries).__name__}")
+        if queries.device != self.device and not (queries.is_cuda and self.device.type == "cpu"):
+            raise ValueError(f"data is on {self.device} but queries is on {queries.device}; move them to the same "
+                             "device")
+        q = queries.shape[0]
+        return (torch.full((q, k), float("inf"), device=queries.device),
+                torch.full((q, k), -1, dtype=torch.long, device=queries.device))
+
     def add(self, vectors: Tensor, ids: Optional[Tensor] = None, *, progress: Progress = False) -> None:
         """Add ``vectors`` [B, D] (same dtype and device as the index) as new vertices of the
         graph, without a rebuild: each finds its candidates by a search of the graph and among
@@ -115,7 +131,9 @@ class Index:
         joins the graph in one build that starts from it: the index's rows keep their
         neighbours, and the rounds spend their distances on pairs with a new row
         (``init_mode="grow"`` of :func:`torch_grnnd.build`). ``ids``: their user ids, required
-        when the index has ids (distinct, not in the index yet). ``progress`` (as for
+        when the index has ids (distinct, and none of them a live vector's: a removed id may be
+        given again, and its new vector takes its place in searches, its old row a tombstone
+        until :meth:`compact`). ``progress`` (as for
         :func:`torch_grnnd.build`) reports the rounds of the build an add runs (a large add's,
         or that of a batch above ``EXACT_BATCH_ROWS``); a small add runs no rounds and reports
         nothing. A refused, failed or interrupted add (a progress callback that raises) leaves
@@ -137,7 +155,7 @@ class Index:
                 raise ValueError("ids: this index has user ids; give one for each new vector")
             new_ids = check_ids(ids, vectors)
             old_ids = self.ids if self.ids is not None else torch.arange(n, device=self.device)
-            taken = torch.isin(new_ids, old_ids)
+            taken = torch.isin(new_ids, live_ids(old_ids, self.removed))
             if bool(taken.any()):
                 raise ValueError(f"ids: already in the index: {new_ids[taken][:5].tolist()}")
             new_ids = torch.cat([old_ids, new_ids])
@@ -264,7 +282,12 @@ class Index:
             unknown = (wanted < 0) | (wanted >= n)
             rows = wanted
         else:
-            known, order = self.ids.sort()
+            # An id removed and added again is on a removed row and a live one: the live row sorts
+            # first among equal ids and is the one found.
+            by_state = torch.arange(n, device=self.device) if self.removed is None \
+                else torch.argsort(self.removed.to(torch.int8), stable=True)
+            order = by_state[torch.argsort(self.ids[by_state], stable=True)]
+            known = self.ids[order]
             at = torch.searchsorted(known, wanted).clamp_max(max(n - 1, 0))
             unknown = known[at] != wanted if n else torch.ones_like(wanted, dtype=torch.bool)
             rows = order[at] if n else wanted
@@ -312,9 +335,10 @@ class Index:
             raise ValueError(f"state: missing keys {sorted(missing)}")
         data, graph, metric = state["data"], state["graph"], state["metric"]
         check_state(data, graph, metric)
-        ids = state.get("ids")
+        ids, removed = state.get("ids"), state.get("removed")
+        removed = None if removed is None else check_removed(removed, data)
         index = cls(data, graph, metric, BuildParams().replace(**state.get("build_params", {})),
-                    ids=None if ids is None else check_ids(ids, data), removed=state.get("removed"))
+                    ids=None if ids is None else check_ids(ids, data, removed=removed), removed=removed)
         capacity = state.get("capacity", 0)
         if not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"state: capacity must be a non-negative int, got {capacity!r}")
@@ -356,17 +380,24 @@ def check_state(data: Any, graph: Any, metric: Any) -> None:
         raise ValueError(f'state: metric must be "l2", "ip" or "cosine", got {metric!r}')
 
 
-def check_ids(ids: Any, data: Tensor, distinct: bool = True) -> Tensor:
+def check_ids(ids: Any, data: Tensor, distinct: bool = True, removed: Optional[Tensor] = None) -> Tensor:
     """User ids as the index keeps them: int64 [N] on the data's device; ``distinct`` also reads
-    them to refuse repeats."""
+    them to refuse repeats among the rows not ``removed`` (an id removed and added again is
+    also on its removed rows)."""
     if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"ids: expected an int64 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
     if ids.shape != (data.shape[0],):
         raise ValueError(f"ids: expected shape [{data.shape[0]}] (one id per row of data), got {tuple(ids.shape)}")
     ids = ids.to(device=data.device, dtype=torch.long)
-    if distinct and ids.unique().numel() != ids.numel():
-        raise ValueError("ids: expected distinct ids, got repeats")
+    if distinct and (live := live_ids(ids, removed)).unique().numel() != live.numel():
+        raise ValueError("ids: expected distinct ids" + ("" if removed is None else " among the rows not removed")
+                         + ", got repeats")
     return ids
+
+
+def live_ids(ids: Tensor, removed: Optional[Tensor]) -> Tensor:
+    """The ids of the rows not ``removed`` (the ones that must be distinct)."""
+    return ids if removed is None else ids[~removed]
 
 
 def check_removed(removed: Any, data: Tensor) -> Tensor:
@@ -384,7 +415,7 @@ def merge(a: Index, b: Index, *, progress: Progress = False, **settings: Any) ->
     matters, build the union afresh. ``settings``: fields of
     :class:`~torch_grnnd.BuildParams` over ``a``'s (a merge runs one outer iteration,
     :data:`torch_grnnd.merging.OUTER_ITERS`, unless they name ``outer_iters``). User ids and
-    tombstones are kept; both indexes must have ids or neither, and no id may be in both."""
+    tombstones are kept; both indexes must have ids or neither, and no id may be live in both."""
     if not isinstance(a, Index) or not isinstance(b, Index):
         raise TypeError(f"merge: expected two Index objects, got {type(a).__name__} and {type(b).__name__}")
     if a.metric != b.metric:
@@ -396,9 +427,10 @@ def merge(a: Index, b: Index, *, progress: Progress = False, **settings: Any) ->
         raise ValueError("merge: one index has user ids and the other has none; give both ids (Index.build(ids=...))")
     ids = None
     if a.ids is not None:
-        both = torch.isin(b.ids, a.ids)
+        live_a, live_b = (live_ids(ix.ids, ix.removed) for ix in (a, b))
+        both = torch.isin(live_b, live_a)
         if bool(both.any()):
-            raise ValueError(f"merge: ids in both indexes: {b.ids[both][:5].tolist()}")
+            raise ValueError(f"merge: ids live in both indexes: {live_b[both][:5].tolist()}")
         ids = torch.cat([a.ids, b.ids])
     removed = None
     if a.removed is not None or b.removed is not None:

@@ -180,10 +180,10 @@ class Retriever(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.data.shape[0] > 0:
             check_state(self.data, self.graph, self.metric)
-            if self.ids.numel():
-                check_ids(self.ids, self.data)
             if self.removed.numel():
                 check_removed(self.removed, self.data)
+            if self.ids.numel():
+                check_ids(self.ids, self.data, removed=self.removed if self.removed.numel() else None)
 
     def extra_repr(self) -> str:
         return (f"n={self.data.shape[0]}, dim={self.data.shape[1]}, k={self.k}, metric={self.metric!r}, "
