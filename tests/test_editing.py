@@ -412,6 +412,10 @@ def test_a_retriever_replaces_a_vector_under_its_id(vectors):
     restored.load_state_dict(retriever.state_dict())  # 510 is on a removed row and a live one
     assert torch.equal(restored(data[:20])[1], retriever(data[:20])[1])
     assert restored(data[1000:1001])[1].item() == 510
+    # Emptied by removal and compaction, it finds nothing rather than calling itself unbuilt.
+    restored.remove(torch.cat([torch.arange(500, 510), torch.arange(511, 1500)])).remove(torch.tensor([510]))
+    restored.compact()
+    assert len(restored) == 0 and restored(data[:3])[1].eq(-1).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -149,7 +149,7 @@ class Retriever(nn.Module):
     def forward(self, queries: Tensor, k: Optional[int] = None, *,
                 filter: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """``(dists [Q, k], ids [Q, k])`` of the nearest indexed rows; see :meth:`Index.search`."""
-        if self.data.shape[0] == 0:
+        if self.data.shape[1] == 0:  # never indexed (rows all removed and compacted away keep their width)
             raise RuntimeError("Retriever is empty: call rebuild(embeddings) or load_state_dict(state) first")
         return self.index.search(queries, k, params=self.search_params, filter=filter)
 
