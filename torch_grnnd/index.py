@@ -114,12 +114,8 @@ class Index:
                 or not queries.is_floating_point():
             raise ValueError(f"queries: expected a floating-point [Q, {self.dim}] tensor, got "
                              f"{tuple(queries.shape) if isinstance(queries, Tensor) else type(queries).__name__}")
-        if queries.device != self.device and not (queries.is_cuda and self.device.type == "cpu"):
-            raise ValueError(f"data is on {self.device} but queries is on {queries.device}; move them to the same "
-                             "device")
-        q = queries.shape[0]
-        return (torch.full((q, k), float("inf"), device=queries.device),
-                torch.full((q, k), -1, dtype=torch.long, device=queries.device))
+        dists, ids = ops._query_outputs(self.data, queries, k, self.graph)  # the search's device checks
+        return dists.fill_(float("inf")), ids.fill_(-1)
 
     def add(self, vectors: Tensor, ids: Optional[Tensor] = None, *, progress: Progress = False) -> None:
         """Add ``vectors`` [B, D] (same dtype and device as the index) as new vertices of the
@@ -284,9 +280,11 @@ class Index:
         else:
             # An id removed and added again is on a removed row and a live one: the live row sorts
             # first among equal ids and is the one found.
-            by_state = torch.arange(n, device=self.device) if self.removed is None \
-                else torch.argsort(self.removed.to(torch.int8), stable=True)
-            order = by_state[torch.argsort(self.ids[by_state], stable=True)]
+            if self.removed is None:
+                order = torch.argsort(self.ids, stable=True)
+            else:
+                live_first = torch.argsort(self.removed.to(torch.int8), stable=True)
+                order = live_first[torch.argsort(self.ids[live_first], stable=True)]
             known = self.ids[order]
             at = torch.searchsorted(known, wanted).clamp_max(max(n - 1, 0))
             unknown = known[at] != wanted if n else torch.ones_like(wanted, dtype=torch.bool)
