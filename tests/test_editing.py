@@ -386,6 +386,59 @@ def test_a_failed_add_into_reserved_room_changes_nothing(vectors, monkeypatch):
     assert torch.equal(index.graph, graph) and torch.equal(index.data, rows) and len(index) == 1500
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("edit", ["add by search", "add by growth", "compact"])
+def test_running_out_of_gpu_memory_part_way_changes_nothing(vectors, edit):
+    # A real out-of-memory, not a simulated one: the caching allocator is capped at what it holds
+    # plus half of what the edit needs on top (measured on a copy first), so one of the edit's
+    # allocations fails. The index must be as it was, and the same process must then make the
+    # edit once the memory is there.
+    data = vectors[0].cuda()
+    ids = user_ids(20_000).cuda()
+    index = grnnd.Index.build(data[:16_000], ids=ids[:16_000])
+    index.remove(ids[:1600])
+
+    def run(ix):
+        if edit == "add by search":
+            ix.add(data[16_000:16_400], ids[16_000:16_400])
+        elif edit == "add by growth":
+            ix.add(data[16_000:], ids[16_000:])
+        else:
+            ix.compact()
+
+    def reserved_after_emptying_the_cache():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # cached blocks would serve the edit without a new allocation
+        return torch.cuda.memory_reserved()
+
+    copy = grnnd.Index(index.data.clone(), index.graph.clone(), index.metric, index.build_params,
+                       ids=index.ids.clone(), removed=index.removed.clone())
+    base = reserved_after_emptying_the_cache()
+    torch.cuda.reset_peak_memory_stats()
+    run(copy)
+    torch.cuda.synchronize()
+    needed = torch.cuda.max_memory_reserved() - base
+    del copy
+    before = (index.data, index.graph, index.ids, index.removed, index.capacity)
+    saved = [t.clone() for t in before[:4]]
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((reserved_after_emptying_the_cache() + needed // 2) / total)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            run(index)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert all(a is b for a, b in zip(before, (index.data, index.graph, index.ids, index.removed)))
+    assert index.capacity == before[4] and all(torch.equal(a, b) for a, b in zip(saved, before[:4]))
+    assert len(index) == 14_400
+    run(index)
+    assert len(index) == {"add by search": 14_800, "add by growth": 18_400, "compact": 14_400}[edit]
+    live = torch.arange(1600, {"add by search": 16_400, "add by growth": 20_000, "compact": 16_000}[edit], device="cuda")
+    found = index.search(data[live], 1)[1].flatten()
+    assert (found == ids[live]).float().mean() >= 0.99
+
+
 def test_retriever_keeps_its_room_between_adds(vectors):
     data = vectors[0][:3000]
     retriever = grnnd.nn.Retriever(data[:1000], k=5)

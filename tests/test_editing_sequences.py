@@ -132,8 +132,8 @@ def test_random_edits_keep_the_index_true_to_its_vectors(device, seed, with_ids,
             op = "remove"
         if op in ("add", "add_large"):
             # Linked by a search of the graph, or from a quarter of the rows on grown in one build.
-            count = rng.randint(1, max(1, n // 10)) if op == "add" \
-                else rng.randint((index.data.shape[0] + 3) // 4, max(1, n // 2))
+            quarter = (index.data.shape[0] + 3) // 4
+            count = rng.randint(1, max(1, n // 10)) if op == "add" else rng.randint(quarter, max(quarter, n // 2))
             vectors = next_rows(count)
             ids, given = model.new_ids(index, count, rng.randint(1, 5))
             index.add(vectors.to(device, dtype), given)
@@ -154,12 +154,23 @@ def test_random_edits_keep_the_index_true_to_its_vectors(device, seed, with_ids,
             index.compact()
             model.removed_only.clear()
             assert index.removed is None and index.data.shape[0] == len(model.live)
-        elif op == "merge":  # another index's vectors, with ids of its own
+        elif op == "merge":  # another index's vectors, with removals of its own
             vectors = next_rows(rng.randint(200, max(200, n // 2)))
             ids, given = model.new_ids(index, vectors.shape[0], 2)
+            if given is not None and model.removed_only:  # ids removed here may be live there
+                again = rng.sample(sorted(model.removed_only), min(len(model.removed_only), 20))
+                ids[:len(again)] = again
+                given = torch.tensor(ids, device=device)
+                model.removed_only.difference_update(again)
             other = grnnd.Index.build(vectors.to(device, dtype), metric=metric, ids=given)
+            gone = rng.sample(ids, 10)
+            # Without ids the other index numbers its own rows; merged, they follow the index's.
+            other.remove(torch.tensor(gone if given is not None else [ids.index(i) for i in gone], device=device))
             index = grnnd.merge(index, other)
             model.live.update(zip(ids, vectors))
+            for i in gone:
+                del model.live[i]
+            model.removed_only.update(gone)
         elif op == "round_trip":
             restored = round_trip(index)
             before = index.search(queries.to(device), 10, list_size=LIST_SIZE)

@@ -260,7 +260,8 @@ class Index:
     def compact(self) -> None:
         """Drop the removed vectors for good: rows that pointed at them are pruned again from
         their other neighbours and the removed vectors' neighbours, the rest are renumbered.
-        Ids stay as they were (row numbers become user ids if the index had none)."""
+        Ids stay as they were (row numbers become user ids if the index had none). A compaction
+        that fails (out of GPU memory, say) leaves the index as it was."""
         if self.removed is None:
             return
         kept, graph = editing.consolidate(self.data, self.metric, self.graph, self.removed)
