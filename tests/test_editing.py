@@ -420,8 +420,8 @@ def test_running_out_of_gpu_memory_part_way_changes_nothing(vectors, edit):
     torch.cuda.synchronize()
     needed = torch.cuda.max_memory_reserved() - base
     del copy
-    before = (index.data, index.graph, index.ids, index.removed, index.capacity)
-    saved = [t.clone() for t in before[:4]]
+    before, capacity = (index.data, index.graph, index.ids, index.removed), index.capacity
+    saved = [t.clone() for t in before]
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction((reserved_after_emptying_the_cache() + needed // 2) / total)
     try:
@@ -430,11 +430,12 @@ def test_running_out_of_gpu_memory_part_way_changes_nothing(vectors, edit):
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert all(a is b for a, b in zip(before, (index.data, index.graph, index.ids, index.removed)))
-    assert index.capacity == before[4] and all(torch.equal(a, b) for a, b in zip(saved, before[:4]))
+    assert index.capacity == capacity and all(torch.equal(a, b) for a, b in zip(saved, before))
     assert len(index) == 14_400
     run(index)
-    assert len(index) == {"add by search": 14_800, "add by growth": 18_400, "compact": 14_400}[edit]
-    live = torch.arange(1600, {"add by search": 16_400, "add by growth": 20_000, "compact": 16_000}[edit], device="cuda")
+    end = {"add by search": 16_400, "add by growth": 20_000, "compact": 16_000}[edit]  # rows 1600 .. end live
+    assert len(index) == end - 1600
+    live = torch.arange(1600, end, device="cuda")
     found = index.search(data[live], 1)[1].flatten()
     assert (found == ids[live]).float().mean() >= 0.99
 

@@ -32,7 +32,8 @@ MIN_RECALL = 0.95
 
 
 class Model:
-    """What the index should hold: the live vectors by id, and the ids it has seen."""
+    """What the index should hold: the live vectors by id, the removed ids whose rows it still
+    holds (as tombstones), and the next id no row has had."""
 
     def __init__(self, ids, vectors):
         self.live = {int(i): v for i, v in zip(ids.tolist(), vectors)}
@@ -112,6 +113,7 @@ def test_random_edits_keep_the_index_true_to_its_vectors(device, seed, with_ids,
 
     def next_rows(count):
         nonlocal taken
+        assert taken + count <= POOL_ROWS
         rows = pool[taken:taken + count]
         taken += count
         return rows
@@ -128,8 +130,8 @@ def test_random_edits_keep_the_index_true_to_its_vectors(device, seed, with_ids,
     rng.shuffle(plan)
     for step, op in enumerate(plan, start=1):
         n = len(model.live)
-        if op in ("add", "add_large", "merge") and taken + n // 2 > POOL_ROWS:
-            op = "remove"
+        if op in ("add", "add_large", "merge") and taken + index.data.shape[0] > POOL_ROWS:
+            op = "remove"  # no batch takes more rows than the index holds
         if op in ("add", "add_large"):
             # Linked by a search of the graph, or from a quarter of the rows on grown in one build.
             quarter = (index.data.shape[0] + 3) // 4
@@ -147,7 +149,8 @@ def test_random_edits_keep_the_index_true_to_its_vectors(device, seed, with_ids,
         elif op == "add_again" and model.removed_only:  # a removed id takes a new vector
             again = rng.sample(sorted(model.removed_only), min(len(model.removed_only), rng.randint(1, 50)))
             vectors = next_rows(len(again))
-            index.add(vectors.to(device, dtype), torch.tensor(again, device=device))  # the index takes ids now
+            # (an index without ids takes them now)
+            index.add(vectors.to(device, dtype), torch.tensor(again, device=device))
             model.live.update(zip(again, vectors))
             model.removed_only.difference_update(again)
         elif op == "compact":
