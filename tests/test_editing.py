@@ -337,6 +337,75 @@ def test_an_index_emptied_by_removal_still_searches(device):
     assert torch.equal(index.search(data[:5], 1)[1].flatten(), torch.arange(5, device=device) + 1000)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_index_without_ids_numbers_on_after_compaction(vectors, device):
+    # Built without ids, the index numbers its vectors by row; a compaction moves rows, and the
+    # numbers must not move with them: each live vector keeps its number, and adds go on from
+    # where the numbering stood, never giving a removed vector's number to another.
+    data = vectors[0][:3000].to(device)
+    index = grnnd.Index.build(data[:2000])
+    index.remove(torch.cat([torch.arange(100, 200), torch.arange(1900, 2000)]).to(device))
+    index.compact()
+    assert index.next_id == 2000 and len(index) == 1800
+    assert torch.equal(index.search(data[1800:1810], 1)[1].flatten(), torch.arange(1800, 1810, device=device))
+    index.add(data[2000:2100])  # by search
+    assert index.next_id == 2100
+    assert torch.equal(index.search(data[2000:2100], 1)[1].flatten(), torch.arange(2000, 2100, device=device))
+    index.add(data[2100:2150], ids=torch.tensor([150, *range(2101, 2150)], device=device))  # one number again
+    assert index.next_id == 2150 and int(index.search(data[2100:2101], 1)[1]) == 150
+    restored = grnnd.Index.from_state_dict(index.state_dict())
+    assert restored.next_id == 2150
+    restored.add(data[2150:])  # a large batch: grown
+    assert restored.next_id == 3000 and len(restored) == 2800
+    assert torch.equal(restored.search(data[2150:], 1)[1].flatten(), torch.arange(2150, 3000, device=device))
+    for bad in (2149, 3.5, "2200"):
+        with pytest.raises(ValueError, match="next_id must be None or, with ids, an int above every id"):
+            grnnd.Index.from_state_dict({**index.state_dict(), "next_id": bad})
+    # An index with user ids has no numbering to go on with: each add must give ids.
+    user = grnnd.Index.build(data[:500], ids=torch.arange(500, device=device) + 10**9)
+    user.remove(torch.arange(10, device=device) + 10**9)
+    user.compact()
+    assert user.next_id is None
+    with pytest.raises(ValueError, match="this index has user ids; give one for each new vector"):
+        user.add(data[500:510])
+
+
+def test_merged_indexes_without_ids_number_the_second_after_the_first(vectors):
+    data = vectors[0][:3000]
+    a = grnnd.Index.build(data[:1000])
+    a.remove(torch.arange(900, 1000))
+    a.compact()  # numbers 0 .. 899, next 1000
+    b = grnnd.Index.build(data[1000:1500])
+    merged = grnnd.merge(a, b)
+    assert merged.next_id == 1500 and torch.equal(merged.ids[900:], torch.arange(1000, 1500))
+    assert torch.equal(merged.search(data[1000:1010], 1)[1].flatten(), torch.arange(1000, 1010))
+    merged.add(data[1500:1510])
+    assert torch.equal(merged.ids[-10:], torch.arange(1500, 1510))
+    assert grnnd.merge(b, a).next_id == 1500  # a's numbers after b's 500 rows: 500 .. 1399, next 1500
+    with pytest.raises(ValueError, match="one index has user ids and the other numbers its vectors itself"):
+        grnnd.merge(a, grnnd.Index.build(data[2000:2100], ids=torch.arange(100) + 5000))
+
+
+def test_a_retriever_without_ids_serves_as_a_memory_bank(vectors):
+    # A training loop's memory: each step adds a batch, the oldest batches are removed and now
+    # and then compacted away; the number a search returns must name the vector added under it.
+    data = vectors[0]
+    bank = grnnd.nn.Retriever(k=1)
+    for step in range(12):
+        bank.add(data[step * 500:(step + 1) * 500])
+        if step >= 3:
+            bank.remove(torch.arange((step - 3) * 500, (step - 2) * 500))
+        if step % 4 == 3:
+            bank.compact()
+            restored = grnnd.nn.Retriever()
+            restored.load_state_dict(bank.state_dict())
+            bank = restored
+        live = torch.arange(max(0, step - 2) * 500, (step + 1) * 500)
+        assert len(bank) == live.numel()
+        found = bank(data[live])[1].flatten()
+        assert (found == live).float().mean() >= 0.99, step
+
+
 def test_a_state_with_repeated_ids_is_refused():
     index = grnnd.Index.build(torch.randn(200, 4), ids=torch.arange(200))
     state = index.state_dict()

@@ -7,7 +7,8 @@ exact neighbours of the live vectors must stay high. The steps mix every way an 
 small adds (linked by search), large ones (grown in one build), removals, an id removed and
 added again, compaction, ``merge`` with another index, ``reserve``, and a round trip through
 ``state_dict`` and ``torch.save``, which must give identical search results. An index built
-without ids numbers its rows, and takes user ids once it is given one or compacted.
+without ids numbers its vectors itself (its rows, then ids that keep those numbers once a
+compaction moves rows) and must never give one number twice.
 """
 import io
 import random
@@ -33,23 +34,21 @@ MIN_RECALL = 0.95
 
 class Model:
     """What the index should hold: the live vectors by id, the removed ids whose rows it still
-    holds (as tombstones), and the next id no row has had."""
+    holds (as tombstones), and the next id no vector has had."""
 
-    def __init__(self, ids, vectors):
+    def __init__(self, ids, vectors, numbers_itself):
         self.live = {int(i): v for i, v in zip(ids.tolist(), vectors)}
         self.removed_only = set()  # removed, not added again, not compacted away: still rows of the index
         self.next_id = max(self.live) + 1
+        self.numbers_itself = numbers_itself  # built without ids: new vectors get next_id on
 
     def new_ids(self, index, count, spread):
-        """Ids for ``count`` new vectors and what to pass as ``ids``: None while the index
-        numbers its rows (the new ones are numbered on), else fresh user ids."""
-        if index.ids is None:
-            ids = list(range(index.data.shape[0], index.data.shape[0] + count))
-            self.next_id = max(self.next_id, ids[-1] + 1)
-            return ids, None
-        ids = [self.next_id + spread * k for k in range(count)]
+        """Ids for ``count`` new vectors and what to pass as ``ids``: None where the index
+        numbers its vectors (on from next_id), else fresh user ids ``spread`` apart."""
+        step = 1 if self.numbers_itself else spread
+        ids = [self.next_id + step * k for k in range(count)]
         self.next_id = ids[-1] + 1
-        return ids, torch.tensor(ids, device=index.device)
+        return ids, None if self.numbers_itself else torch.tensor(ids, device=index.device)
 
 
 def distances(metric, queries, vectors):
@@ -64,6 +63,8 @@ def distances(metric, queries, vectors):
 def check(index, model, queries, step):
     where = f"after step {step}"
     assert len(index) == len(model.live), where
+    if model.numbers_itself:
+        assert (index.data.shape[0] if index.ids is None else index.next_id) == model.next_id, where
     ids = sorted(model.live)
     if ids:
         rows = index.rows_of(torch.tensor(ids, device=index.device))
@@ -120,7 +121,7 @@ def test_random_edits_keep_the_index_true_to_its_vectors(device, seed, with_ids,
 
     first_ids = torch.randperm(taken, generator=torch.Generator().manual_seed(seed)) * 3 + 10 if with_ids \
         else torch.arange(taken)
-    model = Model(first_ids, pool[:taken])
+    model = Model(first_ids, pool[:taken], numbers_itself=not with_ids)
     index = grnnd.Index.build(pool[:taken].to(device, dtype), metric=metric,
                               ids=first_ids.to(device) if with_ids else None)
     check(index, model, queries, 0)

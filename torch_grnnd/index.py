@@ -40,9 +40,14 @@ class Index:
     """Vectors plus their GRNND graph, searchable in batches.
 
     Rows may carry user ids (int64, given at build and add): search returns them instead of row
-    numbers. ``add(vectors)`` links new vectors into the graph without a rebuild; ``remove(ids)`` hides vectors from every later search at once (a tombstone mask
-    the search honours as a filter); ``compact()`` then repairs the rows that pointed at them
-    and frees their memory.
+    numbers. ``add(vectors)`` links new vectors into the graph without a rebuild; ``remove(ids)``
+    hides vectors from every later search at once (a tombstone mask the search honours as a
+    filter); ``compact()`` then repairs the rows that pointed at them and frees their memory.
+
+    An index built without ids numbers its vectors itself: by row until a compaction moves rows,
+    then by ids that keep those numbers (``next_id``: the number the next vector added without
+    an id gets, past every number the index has given or been given), so an id found once keeps
+    naming the same vector and is never given to another.
 
     Example:
         >>> import torch, torch_grnnd as grnnd
@@ -58,16 +63,19 @@ class Index:
 
     def __init__(self, data: Tensor, graph: Tensor, metric: ops.Metric = "l2",
                  build_params: Optional[BuildParams] = None, *, ids: Optional[Tensor] = None,
-                 removed: Optional[Tensor] = None):
+                 removed: Optional[Tensor] = None, next_id: Optional[int] = None):
         """Wrap existing ``data`` and the ``graph`` that ``build`` made of it (no copy); ``ids``:
         optional int64 [N] user ids, which must be distinct (not checked here: no value is read,
-        so wrapping costs nothing); ``removed``: optional bool [N] tombstones."""
+        so wrapping costs nothing); ``removed``: optional bool [N] tombstones; ``next_id``: with
+        ``ids``, that the index numbers its vectors itself and the number the next vector added
+        without an id gets (None: the ids are the user's, and every add must give them)."""
         self.data = data
         self.graph = graph
         self.metric = metric
         self.build_params = build_params if build_params is not None else BuildParams()
         self.ids = None if ids is None else check_ids(ids, data, distinct=False)
         self.removed = None if removed is None else check_removed(removed, data)
+        self.next_id = None if ids is None else next_id
         # Storage with room for more rows (reserve, add): data and graph are its first rows.
         self._store: Optional[Tuple[Tensor, Tensor]] = None
 
@@ -127,9 +135,10 @@ class Index:
         joins the graph in one build that starts from it: the index's rows keep their
         neighbours, and the rounds spend their distances on pairs with a new row
         (``init_mode="grow"`` of :func:`torch_grnnd.build`). ``ids``: their user ids, required
-        when the index has ids (distinct, and none of them a live vector's: a removed id may be
-        given again, and its new vector takes its place in searches, its old row a tombstone
-        until :meth:`compact`). ``progress`` (as for
+        when the index has user ids (distinct, and none of them a live vector's: a removed id may
+        be given again, and its new vector takes its place in searches, its old row a tombstone
+        until :meth:`compact`); without them an index built without ids numbers the new vectors
+        on (``next_id``). ``progress`` (as for
         :func:`torch_grnnd.build`) reports the rounds of the build an add runs (a large add's,
         or that of a batch above ``EXACT_BATCH_ROWS``); a small add runs no rounds and reports
         nothing. A refused, failed or interrupted add (a progress callback that raises) leaves
@@ -145,22 +154,13 @@ class Index:
             row = int((~torch.isfinite(vectors)).any(1).nonzero()[0])
             raise ValueError(f"vectors: row {row} holds NaN or infinity")
         b, n = vectors.shape[0], data.shape[0]
-        new_ids = None
-        if self.ids is not None or ids is not None:
-            if ids is None:
-                raise ValueError("ids: this index has user ids; give one for each new vector")
-            new_ids = check_ids(ids, vectors)
-            old_ids = self.ids if self.ids is not None else torch.arange(n, device=self.device)
-            taken = torch.isin(new_ids, live_ids(old_ids, self.removed))
-            if bool(taken.any()):
-                raise ValueError(f"ids: already in the index: {new_ids[taken][:5].tolist()}")
-            new_ids = torch.cat([old_ids, new_ids])
+        new_ids, next_id = self._ids_after_add(ids, vectors)
         if b == 0:
             return
         removed = None if self.removed is None else torch.cat(
             [self.removed, torch.zeros(b, dtype=torch.bool, device=self.device)])
         if b >= n * LARGE_ADD_SHARE:
-            self._add_by_growth(vectors, new_ids, removed, progress)
+            self._add_by_growth(vectors, new_ids, removed, next_id, progress)
             return
         # Candidates: the nearest live rows a search finds, and the batch's own nearest rows.
         pool = min(self.build_params.pool_size, n)
@@ -179,6 +179,42 @@ class Index:
         store_graph[changed] = changed_rows
         self._store = store_data, store_graph
         self.data, self.graph, self.ids, self.removed = store_data[:n + b], store_graph[:n + b], new_ids, removed
+        self.next_id = next_id
+
+    def _ids_after_add(self, ids: Optional[Tensor], vectors: Tensor) -> Tuple[Optional[Tensor], Optional[int]]:
+        """The index's ids and ``next_id`` once ``vectors`` are added with ``ids`` (checked): none
+        while the rows are the numbers; where the index numbers its vectors, the vectors without
+        ids numbered on from ``next_id``, and numbers given later past any given ids; given ids
+        must not be live ones."""
+        if self.ids is None and ids is None:
+            return None, None
+        old_ids, next_id = self._numbers()
+        if ids is None:
+            if next_id is None:
+                raise ValueError("ids: this index has user ids; give one for each new vector")
+            b = vectors.shape[0]
+            return torch.cat([old_ids, torch.arange(next_id, next_id + b, device=self.device)]), next_id + b
+        new_ids = check_ids(ids, vectors)
+        taken = torch.isin(new_ids, live_ids(old_ids, self.removed))
+        if bool(taken.any()):
+            raise ValueError(f"ids: already in the index: {new_ids[taken][:5].tolist()}")
+        if next_id is not None and new_ids.numel() > 0:
+            next_id = max(next_id, int(new_ids.max()) + 1)
+        return torch.cat([old_ids, new_ids]), next_id
+
+    def _numbers(self) -> Tuple[Tensor, Optional[int]]:
+        """``(ids, next_id)`` as an index with ids would hold them: row numbers and the row count
+        where the index has no ids (it numbers its vectors by row)."""
+        if self.ids is not None:
+            return self.ids, self.next_id
+        n = self.data.shape[0]
+        return torch.arange(n, device=self.device), n
+
+    @property
+    def numbers_itself(self) -> bool:
+        """Whether the index numbers its vectors (built without ids), so that an add need not
+        give ids; False where the ids are the user's."""
+        return self.ids is None or self.next_id is not None
 
     def _batch_neighbours(self, vectors: Tensor, progress: Progress) -> Tensor:
         """Each new row's nearest rows of the batch ``vectors``, as the rows they will be (int64
@@ -191,7 +227,7 @@ class Index:
         return torch.where(graph >= 0, graph + n, -1)
 
     def _add_by_growth(self, vectors: Tensor, ids: Optional[Tensor], removed: Optional[Tensor],
-                       progress: Progress) -> None:
+                       next_id: Optional[int], progress: Progress) -> None:
         """``add`` of a large batch: one build of the index's rows and the batch, started from
         the index's graph; the index changes only once it has been made."""
         n, b = self.data.shape[0], vectors.shape[0]
@@ -204,7 +240,7 @@ class Index:
             store_graph[:n + b] = graph
             graph = store_graph[:n + b]
         self._store = store_data, store_graph
-        self.data, self.graph, self.ids, self.removed = store_data[:n + b], graph, ids, removed
+        self.data, self.graph, self.ids, self.removed, self.next_id = store_data[:n + b], graph, ids, removed, next_id
 
     def reserve(self, capacity: int) -> None:
         """Make room for ``capacity`` rows in all, so that adds up to that many copy none of the
@@ -260,13 +296,14 @@ class Index:
     def compact(self) -> None:
         """Drop the removed vectors for good: rows that pointed at them are pruned again from
         their other neighbours and the removed vectors' neighbours, the rest are renumbered.
-        Ids stay as they were (row numbers become user ids if the index had none). A compaction
-        that fails (out of GPU memory, say) leaves the index as it was."""
+        Ids stay as they were: an index without ids keeps its row numbers as ids, and numbers the
+        vectors added later on from its row count (``next_id``). A compaction that fails (out of
+        GPU memory, say) leaves the index as it was."""
         if self.removed is None:
             return
         kept, graph = editing.consolidate(self.data, self.metric, self.graph, self.removed)
-        ids = self.ids if self.ids is not None else torch.arange(self.data.shape[0], device=self.device)
-        self.data, self.graph, self.ids, self.removed = self.data[kept], graph, ids[kept], None
+        ids, next_id = self._numbers()
+        self.data, self.graph, self.ids, self.removed, self.next_id = self.data[kept], graph, ids[kept], None, next_id
         self._store = None
 
     def rows_of(self, ids: Tensor) -> Tensor:
@@ -311,7 +348,7 @@ class Index:
         """The same index with its tensors on ``device``."""
         move = (lambda t: None if t is None else t.to(device))  # noqa: E731
         return Index(self.data.to(device), self.graph.to(device), self.metric, self.build_params,
-                     ids=move(self.ids), removed=move(self.removed))
+                     ids=move(self.ids), removed=move(self.removed), next_id=self.next_id)
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to restore the index, as tensors, strings and numbers."""
@@ -320,6 +357,8 @@ class Index:
                  "build_params": dataclasses.asdict(self.build_params), "capacity": self.capacity}
         if self.ids is not None:
             state["ids"] = self.ids
+        if self.next_id is not None:
+            state["next_id"] = self.next_id
         if self.removed is not None:
             state["removed"] = self.removed
         return state
@@ -336,8 +375,10 @@ class Index:
         check_state(data, graph, metric)
         ids, removed = state.get("ids"), state.get("removed")
         removed = None if removed is None else check_removed(removed, data)
-        index = cls(data, graph, metric, BuildParams().replace(**state.get("build_params", {})),
-                    ids=None if ids is None else check_ids(ids, data, removed=removed), removed=removed)
+        ids = None if ids is None else check_ids(ids, data, removed=removed)
+        next_id = check_next_id(state.get("next_id"), ids)
+        index = cls(data, graph, metric, BuildParams().replace(**state.get("build_params", {})), ids=ids,
+                    removed=removed, next_id=next_id)
         capacity = state.get("capacity", 0)
         if not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"state: capacity must be a non-negative int, got {capacity!r}")
@@ -399,6 +440,15 @@ def live_ids(ids: Tensor, removed: Optional[Tensor]) -> Tensor:
     return ids if removed is None else ids[~removed]
 
 
+def check_next_id(next_id: Any, ids: Optional[Tensor]) -> Optional[int]:
+    """A restored ``next_id``: None, or with ids an int above every one of them (a number the
+    index gives later must not be one it holds)."""
+    if next_id is not None and (ids is None or not isinstance(next_id, int) or isinstance(next_id, bool)
+                                or (ids.numel() > 0 and next_id <= int(ids.max()))):
+        raise ValueError(f"state: next_id must be None or, with ids, an int above every id; got {next_id!r}")
+    return next_id
+
+
 def check_removed(removed: Any, data: Tensor) -> Tensor:
     if not isinstance(removed, Tensor) or removed.dtype != torch.bool or removed.shape != (data.shape[0],):
         raise ValueError(f"removed: expected a bool tensor of shape [{data.shape[0]}]")
@@ -414,7 +464,9 @@ def merge(a: Index, b: Index, *, progress: Progress = False, **settings: Any) ->
     matters, build the union afresh. ``settings``: fields of
     :class:`~torch_grnnd.BuildParams` over ``a``'s (a merge runs one outer iteration,
     :data:`torch_grnnd.merging.OUTER_ITERS`, unless they name ``outer_iters``). User ids and
-    tombstones are kept; both indexes must have ids or neither, and no id may be live in both."""
+    tombstones are kept; both indexes must have user ids, and no id may be live in both, or both
+    number their vectors themselves (built without ids), and b's numbers follow a's as its rows
+    do."""
     if not isinstance(a, Index) or not isinstance(b, Index):
         raise TypeError(f"merge: expected two Index objects, got {type(a).__name__} and {type(b).__name__}")
     if a.metric != b.metric:
@@ -422,15 +474,20 @@ def merge(a: Index, b: Index, *, progress: Progress = False, **settings: Any) ->
     if a.dim != b.dim or a.data.dtype != b.data.dtype or a.device != b.device:
         raise ValueError(f"merge: expected vectors of one width, dtype and device, got [*, {a.dim}] {a.data.dtype} on "
                          f"{a.device} and [*, {b.dim}] {b.data.dtype} on {b.device}")
-    if (a.ids is None) != (b.ids is None):
-        raise ValueError("merge: one index has user ids and the other has none; give both ids (Index.build(ids=...))")
-    ids = None
-    if a.ids is not None:
+    if a.numbers_itself != b.numbers_itself:
+        raise ValueError("merge: one index has user ids and the other numbers its vectors itself (built without "
+                         "ids); give both ids (Index.build(ids=...))")
+    ids = next_id = None
+    if not a.numbers_itself:
         live_a, live_b = (live_ids(ix.ids, ix.removed) for ix in (a, b))
         both = torch.isin(live_b, live_a)
         if bool(both.any()):
             raise ValueError(f"merge: ids live in both indexes: {live_b[both][:5].tolist()}")
         ids = torch.cat([a.ids, b.ids])
+    elif a.ids is not None or b.ids is not None:  # (without ids on either side the rows number them)
+        # b's numbers follow every number a has given, as its rows follow a's.
+        (a_ids, a_next), (b_ids, b_next) = a._numbers(), b._numbers()
+        ids, next_id = torch.cat([a_ids, b_ids + a_next]), a_next + b_next
     removed = None
     if a.removed is not None or b.removed is not None:
         removed = torch.cat([r if r is not None else torch.zeros(ix.data.shape[0], dtype=torch.bool, device=a.device)
@@ -438,4 +495,4 @@ def merge(a: Index, b: Index, *, progress: Progress = False, **settings: Any) ->
     params = BuildParams.merge(a.build_params, **settings)
     data, graph = merging.merge_graphs(a.data, a.graph, b.data, b.graph, merging.schedule(params, settings), a.metric,
                                        progress)
-    return Index(data, graph, a.metric, params, ids=ids, removed=removed)
+    return Index(data, graph, a.metric, params, ids=ids, removed=removed, next_id=next_id)

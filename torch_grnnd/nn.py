@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .graph import knn_graph
-from .index import Index, _own_storage, check_ids, check_removed, check_state
+from .index import Index, _own_storage, check_ids, check_next_id, check_removed, check_state
 from .ops import Metric
 from .params import BuildParams, SearchParams
 from .progress import Progress
@@ -92,6 +92,7 @@ class Retriever(nn.Module):
         # User ids and tombstones; empty when the index has none.
         self.register_buffer("ids", torch.empty(0, dtype=torch.long))
         self.register_buffer("removed", torch.empty(0, dtype=torch.bool))
+        self.next_id: Optional[int] = None  # Index.next_id: where the retriever numbers its rows itself
         # Index storage with room past the buffers (Index.reserve), kept between adds.
         self._store: Optional[Tuple[Tensor, Tensor]] = None
         self._register_state_dict_hook(_saved_without_room)
@@ -109,10 +110,15 @@ class Retriever(nn.Module):
     @property
     def index(self) -> Index:
         """The buffers as an :class:`~torch_grnnd.Index` (no copy)."""
-        index = Index(self.data, self.graph, self.metric, self.build_params,
-                      ids=self.ids if self.ids.numel() else None, removed=self.removed if self.removed.numel() else None)
+        index = Index(self.data, self.graph, self.metric, self.build_params, ids=self._ids(),
+                      removed=self.removed if self.removed.numel() else None, next_id=self.next_id)
         index._store = self._store  # Index.capacity ignores it once the buffers were replaced
         return index
+
+    def _ids(self) -> Optional[Tensor]:
+        """The ids buffer as Index.ids: None where empty, unless the retriever numbers its rows
+        itself (next_id), whose ids may all have been compacted away."""
+        return self.ids if self.ids.numel() or self.next_id is not None else None
 
     def rebuild(self, data: Tensor, *, ids: Optional[Tensor] = None, progress: Progress = False) -> "Retriever":
         """Index ``data`` (its rows, detached, without a copy) in place of the current vectors;
@@ -122,7 +128,7 @@ class Retriever(nn.Module):
 
     def add(self, data: Tensor, ids: Optional[Tensor] = None, *, progress: Progress = False) -> "Retriever":
         """Add rows (detached) without a rebuild; see :meth:`Index.add`."""
-        if self.data.shape[0] == 0:
+        if self.data.shape[1] == 0:  # never indexed
             return self.rebuild(data, ids=ids, progress=progress)
         index = self.index
         index.add(data.detach(), ids, progress=progress)
@@ -144,6 +150,7 @@ class Retriever(nn.Module):
         self.data, self.graph, self._store = index.data, index.graph, index._store
         self.ids = index.ids if index.ids is not None else self.ids.new_empty(0)
         self.removed = index.removed if index.removed is not None else self.removed.new_empty(0)
+        self.next_id = index.next_id
         return self
 
     def forward(self, queries: Tensor, k: Optional[int] = None, *,
@@ -159,12 +166,13 @@ class Retriever(nn.Module):
 
     def get_extra_state(self) -> Dict[str, Any]:
         return {"k": self.k, "metric": self.metric, "list_size": self.list_size,
-                "build_params": dataclasses.asdict(self.build_params)}
+                "build_params": dataclasses.asdict(self.build_params), "next_id": self.next_id}
 
     def set_extra_state(self, state: Dict[str, Any]) -> None:
         self.metric = state["metric"]
         self.search_params = self.search_params.replace(k=state["k"], list_size=state["list_size"])
         self.build_params = BuildParams().replace(**state["build_params"])
+        self.next_id = state.get("next_id")  # states saved before it existed: user ids, as they were
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The number of rows is data, not configuration: take the incoming shapes (keeping
@@ -184,6 +192,7 @@ class Retriever(nn.Module):
                 check_removed(self.removed, self.data)
             if self.ids.numel():
                 check_ids(self.ids, self.data, removed=self.removed if self.removed.numel() else None)
+        check_next_id(self.next_id, self._ids())
 
     def extra_repr(self) -> str:
         return (f"n={self.data.shape[0]}, dim={self.data.shape[1]}, k={self.k}, metric={self.metric!r}, "
