@@ -332,6 +332,11 @@ def test_an_index_emptied_by_removal_still_searches(device):
     assert torch.equal(restored.search(queries, 5)[1], nothing[1])
     with pytest.raises(ValueError, match=r"queries: expected a floating-point \[Q, 8\] tensor, got \(4, 7\)"):
         index.search(queries[:, :7], 5)
+    # No row bounds k, but no search could answer these: refused before anything is allocated.
+    for k, longest in ((0, 1024), (-1, 1024), (1025, 1024), (10**12, 1024), (33, 32)):
+        with pytest.raises(ValueError, match=rf"k: expected 1 <= k <= {longest} \(the longest list"):
+            index.search(queries, k, list_size=32 if longest == 32 else 0)
+    assert index.search(queries, 32, list_size=32)[1].shape == (4, 32)
     index.add(data[:50], ids=torch.arange(50, device=device) + 1000)
     assert len(index) == 50
     assert torch.equal(index.search(data[:5], 1)[1].flatten(), torch.arange(5, device=device) + 1000)

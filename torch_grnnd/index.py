@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from . import editing, merging, ops
-from .params import BuildParams, SearchParams
+from .params import MAX_LIST_SIZE, BuildParams, SearchParams
 from .progress import Progress
 
 
@@ -103,7 +103,7 @@ class Index:
         index has them; see :func:`torch_grnnd.search` (a ``filter`` is over rows)."""
         merged = SearchParams.merge(params, **settings)
         if self.data.shape[0] == 0:  # every row removed and compacted away
-            return self._nothing_found(queries, SearchParams.merge(merged, k=k).k)
+            return self._nothing_found(queries, SearchParams.merge(merged, k=k))
         if self.removed is not None:
             # On the search's device: the queries', where data may be pinned host rows (search).
             live = ~self.removed.to(queries.device)
@@ -115,14 +115,20 @@ class Index:
         ids = self.ids[rows.clamp_min(0).to(self.ids.device)].to(rows.device)
         return dists, torch.where(rows >= 0, ids, rows)
 
-    def _nothing_found(self, queries: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-        """What a search of an index without rows returns (after the queries' checks): no row
-        found, ids -1 and distances +inf, as for a query whose rows are all removed."""
+    def _nothing_found(self, queries: Tensor, params: SearchParams) -> Tuple[Tensor, Tensor]:
+        """What a search of an index without rows returns (after the queries' and k's checks): no
+        row found, ids -1 and distances +inf, as for a query whose rows are all removed."""
         if not isinstance(queries, Tensor) or queries.dim() != 2 or queries.shape[1] != self.dim \
                 or not queries.is_floating_point():
             raise ValueError(f"queries: expected a floating-point [Q, {self.dim}] tensor, got "
                              f"{tuple(queries.shape) if isinstance(queries, Tensor) else type(queries).__name__}")
-        dists, ids = ops._query_outputs(self.data, queries, k, self.graph)  # the search's device checks
+        # No row bounds k here; the list does, as in any search (an emptied memory bank is still
+        # searched with its usual k, and a k no search could answer is refused before the output
+        # is allocated).
+        longest = min(params.list_size, MAX_LIST_SIZE) if params.list_size > 0 else MAX_LIST_SIZE
+        if not 1 <= params.k <= longest:
+            raise ValueError(f"k: expected 1 <= k <= {longest} (the longest list a search keeps), got {params.k}")
+        dists, ids = ops._query_outputs(self.data, queries, params.k, self.graph)  # the search's device checks
         return dists.fill_(float("inf")), ids.fill_(-1)
 
     def add(self, vectors: Tensor, ids: Optional[Tensor] = None, *, progress: Progress = False) -> None:

@@ -111,7 +111,7 @@ class Retriever(nn.Module):
     def index(self) -> Index:
         """The buffers as an :class:`~torch_grnnd.Index` (no copy)."""
         index = Index(self.data, self.graph, self.metric, self.build_params, ids=self._ids(),
-                      removed=self.removed if self.removed.numel() else None, next_id=self.next_id)
+                      removed=self._removed(), next_id=self.next_id)
         index._store = self._store  # Index.capacity ignores it once the buffers were replaced
         return index
 
@@ -119,6 +119,10 @@ class Retriever(nn.Module):
         """The ids buffer as Index.ids: None where empty, unless the retriever numbers its rows
         itself (next_id), whose ids may all have been compacted away."""
         return self.ids if self.ids.numel() or self.next_id is not None else None
+
+    def _removed(self) -> Optional[Tensor]:
+        """The removed buffer as Index.removed: None where empty (no tombstones)."""
+        return self.removed if self.removed.numel() else None
 
     def rebuild(self, data: Tensor, *, ids: Optional[Tensor] = None, progress: Progress = False) -> "Retriever":
         """Index ``data`` (its rows, detached, without a copy) in place of the current vectors;
@@ -188,10 +192,10 @@ class Retriever(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.data.shape[0] > 0:
             check_state(self.data, self.graph, self.metric)
-            if self.removed.numel():
+            if self._removed() is not None:
                 check_removed(self.removed, self.data)
             if self.ids.numel():
-                check_ids(self.ids, self.data, removed=self.removed if self.removed.numel() else None)
+                check_ids(self.ids, self.data, removed=self._removed())
         check_next_id(self.next_id, self._ids())
 
     def extra_repr(self) -> str:

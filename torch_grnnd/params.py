@@ -100,6 +100,11 @@ class BuildParams(_Settings):
     start: str = _default(_build, "start")
 
 
+# The longest candidate list a search keeps, and so the most neighbours it returns (kMaxListSize
+# in csrc/params.h, which checks every search's settings).
+MAX_LIST_SIZE = 1024
+
+
 @dataclass(frozen=True, eq=False)  # a filter tensor has no truth value to compare by
 class SearchParams(_Settings):
     """How :func:`torch_grnnd.search` answers queries (the greedy graph search of CAGRA, seed 002).
