@@ -39,6 +39,7 @@ def main():
     hubs_and_repair(g)
     segments(g)
     editing(g)
+    out_of_core(g)
     torch.cuda.synchronize()
     print("sanitizer workload done")
 
@@ -161,10 +162,10 @@ def editing(g: torch.Generator):
     index.remove(torch.arange(0, 6000, 7, device="cuda"))
     index.compact()
     index.search(data[:10], 5)
-    # A build started from given entries (the merge's start), junk entries among them.
-    # The compacted index carries user ids, so the other one needs its own.
+    # A build started from given entries (the merge's start), junk entries among them. Both
+    # indexes number their vectors themselves (built without ids), as a merge asks.
     other = grnnd.Index.build(torch.randn(3000, 16, generator=g, device="cuda"), degree=16, pool_size=32,
-                              outer_iters=2, inner_iters=2, ids=torch.arange(10_000, 13_000, device="cuda"))
+                              outer_iters=2, inner_iters=2)
     grnnd.merge(index, other, outer_iters=2, inner_iters=2)
     junk = torch.randint(-5, 7000, (6000, 40), generator=g, device="cuda", dtype=torch.int32)
     grnnd.build(data, degree=16, pool_size=32, outer_iters=1, inner_iters=2, init=junk)
