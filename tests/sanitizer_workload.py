@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck python tests/sanitizer_workload.py
     compute-sanitizer --tool racecheck python tests/sanitizer_workload.py
     compute-sanitizer --tool racecheck python tests/sanitizer_workload.py editing   # one part
-    (parts: edge_sizes, hubs_and_repair, segments, editing, out_of_core)
+    (parts: see PARTS)
 """
 import sys
 
@@ -13,8 +13,8 @@ import torch_grnnd as grnnd
 from torch_grnnd import out_of_core as out_of_core_build
 
 
-def main():
-    g = torch.Generator(device="cuda").manual_seed(0)
+def basics(g: torch.Generator):
+    """Builds and searches of each storage type and metric, each search loop, knn."""
     for dtype, metric, dim in [(torch.float32, "l2", 32), (torch.float16, "cosine", 64), (torch.bfloat16, "ip", 30),
                                (torch.float32, "l2", 3), (torch.float32, "l2", 1100)]:
         data = torch.randn(1500, dim, generator=g, device="cuda").to(dtype)
@@ -35,13 +35,6 @@ def main():
     for dtype, metric, k in [(torch.float32, "l2", 10), (torch.float16, "cosine", 300), (torch.bfloat16, "ip", 1)]:
         data = torch.randn(3000, 24, generator=g, device="cuda").to(dtype)
         grnnd.knn(data, data[:40], k, metric=metric)
-    edge_sizes(g)
-    hubs_and_repair(g)
-    segments(g)
-    editing(g)
-    out_of_core(g)
-    torch.cuda.synchronize()
-    print("sanitizer workload done")
 
 
 def edge_sizes(g: torch.Generator):
@@ -214,10 +207,16 @@ def out_of_core(g: torch.Generator):
         grnnd.search(more, more_graph, q, 5, list_size=64, metric="l2")
 
 
+PARTS = ("basics", "edge_sizes", "hubs_and_repair", "segments", "editing", "out_of_core")
+
+
+def main(parts=PARTS):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name in parts:
+        getattr(sys.modules[__name__], name)(g)
+    torch.cuda.synchronize()
+    print("sanitizer workload done")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        getattr(sys.modules[__name__], sys.argv[1])(torch.Generator(device="cuda").manual_seed(0))
-        torch.cuda.synchronize()
-        print("sanitizer workload done")
-    else:
-        main()
+    main(sys.argv[1:] or PARTS)
