@@ -13,14 +13,17 @@ Measures (CUDA events, after a warm-up; extension compile excluded):
   - plain PyTorch brute force (x_norm - 2 q @ X.T + topk) at float32 / float16: QPS and recall@10;
   - torch_grnnd build time, peak extra GPU memory, out-degree;
   - torch_grnnd search QPS-recall@10 curve at batch --batch, sweeping list_size (and search_width),
-    with the distances computed per query (search_distance_counts);
+    with the distances computed per query (search_distance_counts), the row bytes they read and
+    that traffic's share of the GPU's peak memory bandwidth;
+  - with --codes int8: the same curve searching by 8-bit codes (grnnd.encode) on the same graph;
   - with --ablation: update order (the three of the paper, and descending_then_random) and
     reverse_ratio sweeps (build time, recall at list 64);
   - with --sweep CFG ...: the same for any build configurations (e.g. "update_order=descending,
     inner_iters=4"), plus search QPS and distances per query at list 64;
   - with --exact-graph: plain-PyTorch exact k-NN graph (k = degree) of all points, float16;
-  - with --small-batches: wall-clock latency of batches of 1, 100 and 1000 queries, for each
-    list size and number of searches per query (--split-searches; 0 = the automatic choice).
+  - with --small-batches: wall-clock latency of batches of 1, 10, 100 and 1000 queries, for each
+    list size and number of searches per query (--split-searches; 0 = the automatic choice), by
+    the rows and by each of --codes.
 A data path may end in ``:pca=D``: base and queries projected on the base's top D principal
 directions (fitted on a 100k-row sample) and normalised again, a lower-dimensional real set.
 Writes gpu_<data>.{json,md,png} under --out.
@@ -102,19 +105,41 @@ def exact_knn_graph(base: torch.Tensor, k: int, chunk: int = 4096):
     return torch.cat(out)
 
 
-def search_curve(base, graph, queries, gt, batch, lists, widths):
+def bytes_per_query(base, dists_per_query: float, list_size: int, codes=None) -> float:
+    """Row bytes a query reads: each distance's row (its code row with codes, whose final list
+    is then re-ranked by the full rows). Adjacency rows and the query itself not counted."""
+    row = base.shape[1] * base.element_size()
+    if codes is None:
+        return dists_per_query * row
+    return dists_per_query * codes.rows.shape[1] + list_size * row
+
+
+def memory_bandwidth() -> float:
+    """The GPU's peak memory bandwidth in bytes/s (from its clock and bus width; 0 if unknown)."""
+    props = torch.cuda.get_device_properties(0)
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return 2 * clock_khz * 1e3 * bus_bits / 8
+
+
+def search_curve(base, graph, queries, gt, batch, lists, widths, codes=None):
     curve = []
     q = queries[:batch]
+    peak = memory_bandwidth()
     for width in widths:
         for lst in lists:
-            run = lambda: grnnd.search(base, graph, q, 10, list_size=lst, search_width=width)  # noqa: E731
+            run = lambda: grnnd.search(base, graph, q, 10, list_size=lst, search_width=width, codes=codes)  # noqa: E731
             run()
             (_, ids), secs = cuda_time(run, repeat=3)
-            counts = grnnd.search_distance_counts(base, graph, q, 10, list_size=lst, search_width=width)
+            counts = grnnd.search_distance_counts(base, graph, q, 10, list_size=lst, search_width=width, codes=codes)
+            dists = counts.float().mean().item()
+            qps = q.shape[0] / secs
+            read = bytes_per_query(base, dists, lst, codes)
             curve.append({"param": f"list={lst},width={width}", "recall": grnnd.recall(ids, gt[:batch], 10),
-                          "qps": q.shape[0] / secs, "dists_per_query": counts.float().mean().item()})
-            print(f"  search list={lst:4d} width={width}: recall@10 {curve[-1]['recall']:.4f} "
-                  f"{curve[-1]['qps']:12,.0f} q/s, {curve[-1]['dists_per_query']:,.0f} distances/query", flush=True)
+                          "qps": qps, "dists_per_query": dists, "bytes_per_query": read,
+                          "bandwidth_share": read * qps / peak if peak else 0.0})
+            print(f"  search{' ' + codes.kind if codes is not None else ''} list={lst:4d} width={width}: recall@10 "
+                  f"{curve[-1]['recall']:.4f} {qps:12,.0f} q/s, {dists:,.0f} distances/query, "
+                  f"{read / 1e6:.2f} MB/query, {curve[-1]['bandwidth_share']:.0%} of peak bandwidth", flush=True)
     return curve
 
 
@@ -144,7 +169,7 @@ def build_sweep(base, queries, gt, configs, batch):
             "columns": ["build parameters", "build s", "recall@10", "queries/s", "distances/query"], "rows": rows}
 
 
-def small_batches(base, graph, queries, gt, lists, searches, batches=(1, 100, 1000), spread=1000):
+def small_batches(base, graph, queries, gt, lists, searches, batches=(1, 10, 100, 1000), spread=1000, codes=None):
     """Latency as a caller sees it: back-to-back calls from Python, wall clock, synchronised.
 
     Consecutive calls take consecutive slices of the first ``spread`` queries (at least one
@@ -155,7 +180,8 @@ def small_batches(base, graph, queries, gt, lists, searches, batches=(1, 100, 10
         truth = gt[:len(slices) * batch]
         for lst in lists:
             for split in searches:
-                run = lambda q: grnnd.search(base, graph, q, 10, list_size=lst, searches=split)  # noqa: E731
+                run = lambda q: grnnd.search(base, graph, q, 10, list_size=lst, searches=split,  # noqa: E731
+                                             codes=codes)
                 run(slices[0])
                 torch.cuda.synchronize()
                 rounds = max(1, 200 // len(slices))
@@ -164,16 +190,18 @@ def small_batches(base, graph, queries, gt, lists, searches, batches=(1, 100, 10
                     ids = [run(q)[1] for q in slices]
                 torch.cuda.synchronize()
                 ms = (time.perf_counter() - start) / (rounds * len(slices)) * 1000
-                counts = torch.cat([grnnd.search_distance_counts(base, graph, q, 10, list_size=lst, searches=split)
-                                    for q in slices])
-                rows.append([batch, lst, split or "auto", ms, batch / ms * 1000,
+                counts = torch.cat([grnnd.search_distance_counts(base, graph, q, 10, list_size=lst, searches=split,
+                                                                 codes=codes) for q in slices])
+                rows.append([codes.kind if codes is not None else "none", batch, lst, split or "auto", ms,
+                             batch / ms * 1000,
                              grnnd.recall(torch.cat(ids), truth, 10), counts.float().mean().item()])
-                print(f"  small batch batch={batch} list={lst} searches={split or 'auto'}: {ms:.3f} ms/call, "
-                      f"{rows[-1][4]:,.0f} q/s, recall@10 {rows[-1][5]:.4f}, {rows[-1][6]:,.0f} distances/query",
-                      flush=True)
+                print(f"  small batch codes={rows[-1][0]} batch={batch} list={lst} searches={split or 'auto'}: "
+                      f"{ms:.3f} ms/call, {rows[-1][5]:,.0f} q/s, recall@10 {rows[-1][6]:.4f}, "
+                      f"{rows[-1][7]:,.0f} distances/query", flush=True)
     return {"title": "Small batches, back-to-back calls of torch.ops.grnnd.search from Python (wall clock); "
                      "recall over the first 1000 queries, taken a batch per call:",
-            "columns": ["batch", "list", "searches", "ms per call", "queries/s", "recall@10", "distances/query"],
+            "columns": ["codes", "batch", "list", "searches", "ms per call", "queries/s", "recall@10",
+                        "distances/query"],
             "rows": rows}
 
 
@@ -190,6 +218,7 @@ def main():
     p.add_argument("--small-lists", default="32,64,96", help="list sizes of --small-batches")
     p.add_argument("--split-searches", default="0,1", help="searches per query of --small-batches (0 = auto)")
     p.add_argument("--build", default="", help="build params, e.g. pool_size=64,inner_iters=8")
+    p.add_argument("--codes", default="", help="comma-separated code kinds (int8) to search by as well, same graph")
     p.add_argument("--sweep", nargs="*", default=[], help="build configurations to compare, each like --build")
     args = p.parse_args()
     device = "cuda"
@@ -225,12 +254,23 @@ def main():
     lists = [int(s) for s in args.lists.split(",")]
     widths = [int(s) for s in args.widths.split(",")]
     methods.append({"name": "torch_grnnd (GRNND graph + CUDA search)", "build_s": build_s, "params": params,
+                    "bytes_per_vector": graph.shape[1] * 4 + base.shape[1] * base.element_size(),
                     "curve": search_curve(base, graph, queries, gt, args.batch, lists, widths)})
+    code_sets = [None]
+    for kind in filter(None, args.codes.split(",")):
+        codes, encode_s = cuda_time(lambda: grnnd.encode(base, kind))
+        code_sets.append(codes)
+        print(f"grnnd encode {kind}: {encode_s:.3f} s, {codes.rows.shape[1]} bytes per row", flush=True)
+        methods.append({"name": f"torch_grnnd, {kind} codes + exact re-rank", "build_s": build_s + encode_s,
+                        "params": {**params, "codes": kind}, "encode_s": encode_s,
+                        "bytes_per_vector": graph.shape[1] * 4 + codes.rows.shape[1],
+                        "curve": search_curve(base, graph, queries, gt, args.batch, lists, widths, codes)})
 
     if args.small_batches:
-        extra.setdefault("tables", []).append(small_batches(
-            base, graph, queries, gt, [int(v) for v in args.small_lists.split(",")],
-            [int(v) for v in args.split_searches.split(",")]))
+        for codes in code_sets:
+            extra.setdefault("tables", []).append(small_batches(
+                base, graph, queries, gt, [int(v) for v in args.small_lists.split(",")],
+                [int(v) for v in args.split_searches.split(",")], codes=codes))
 
     if args.sweep:
         extra.setdefault("tables", []).append(build_sweep(base, queries, gt, args.sweep, args.batch))

@@ -1,5 +1,6 @@
 #include "checks.h"
 
+#include "codes.h"
 #include "params.h"
 #include "prune.h"
 
@@ -184,6 +185,28 @@ void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const 
   // The graph and the filter are read on the search's device, the queries'.
   if (filter.has_value()) check_same_device(queries, "queries", *filter, "filter");
   check_same_device(queries, "queries", graph, "graph");
+}
+
+SearchCodes check_search_codes(const c10::optional<at::Tensor>& codes, const c10::optional<at::Tensor>& code_grid,
+                               const at::Tensor& data, const at::Tensor& queries, Metric metric) {
+  TORCH_CHECK_VALUE(codes.has_value() == code_grid.has_value(), "codes and code_grid: expected both or neither, got ",
+                    codes.has_value() ? "codes alone" : "code_grid alone");
+  if (!codes.has_value()) return {};
+  const int64_t n = data.size(0), dim = data.size(1), row_bytes = code_row_bytes(dim, metric);
+  TORCH_CHECK_VALUE(dim <= kMaxCodeDim, "codes: expected data of at most ", kMaxCodeDim, " dimensions, got ", dim);
+  TORCH_CHECK_TYPE(codes->scalar_type() == at::kByte, "codes: expected uint8, got ", codes->scalar_type());
+  TORCH_CHECK_VALUE(codes->dim() == 2 && codes->size(0) == n && codes->size(1) == row_bytes, "codes: expected shape [",
+                    n, ", ", row_bytes, "] (the codes of data's rows for this metric, ",
+                    "torch_grnnd.encode), got ", codes->sizes());
+  TORCH_CHECK_TYPE(code_grid->scalar_type() == at::kFloat, "code_grid: expected float32, got ",
+                   code_grid->scalar_type());
+  TORCH_CHECK_VALUE(code_grid->dim() == 2 && code_grid->size(0) == 2 && code_grid->size(1) == dim,
+                    "code_grid: expected shape [2, ", dim, "] (offsets and steps), got ", code_grid->sizes());
+  check_same_device(queries, "queries", *codes, "codes");
+  check_same_device(queries, "queries", *code_grid, "code_grid");
+  at::Tensor rows = codes->contiguous();
+  if (reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 != 0) rows = rows.clone();  // 16-byte loads
+  return {rows, code_grid->contiguous()};
 }
 
 void check_search_contents(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries) {

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include "params.h"
 #include "segments.h"
 
 namespace grnnd {
@@ -49,6 +50,15 @@ void check_search_data_device(const at::Tensor& data, const at::Tensor& queries)
 void check_build_inputs(const at::Tensor& data);
 void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries, int64_t k,
                          const c10::optional<at::Tensor>& filter);
+// The codes a search traverses by (csrc/codes.h), or neither tensor: codes uint8
+// [n, code_row_bytes(dim, metric)] and code_grid float32 [2, dim] (offsets, steps), on the
+// queries' device; returned contiguous and 16-byte aligned (copied where they are not).
+struct SearchCodes {
+  at::Tensor codes;  // undefined: the traversal reads the rows
+  at::Tensor grid;
+};
+SearchCodes check_search_codes(const c10::optional<at::Tensor>& codes, const c10::optional<at::Tensor>& code_grid,
+                               const at::Tensor& data, const at::Tensor& queries, Metric metric);
 // The search's checks that read tensor values, after every argument check: graph ids in [-1, n)
 // (scanned once per graph and version, CheckedGraphs in checks.cpp) and, on the CPU, finite
 // queries. Skipped where contents are not readable.

@@ -39,16 +39,18 @@ TORCH_LIBRARY(grnnd, m) {
   // torch.library.register_autograd (torch_grnnd/autograd.py) rejects keyword-only tensors
   // such as `filter`; the Python wrapper keeps them keyword-only for callers.
   // searches=0: the backend decides how many independent searches answer each query (params.h).
+  // codes, code_grid: the rows' 8-bit codes (codes.h; torch_grnnd.encode): the traversal computes
+  // its distances from them and the final list is re-ranked by exact distances to the rows.
   m.def(
       "search(Tensor data, Tensor graph, Tensor queries, int k, int list_size=0, int search_width=1, "
-      "int max_iters=0, str metric=\"l2\", int seed=0, Tensor? filter=None, int searches=0, int hub_entries=-1) "
-      "-> (Tensor, Tensor)");
+      "int max_iters=0, str metric=\"l2\", int seed=0, Tensor? filter=None, int searches=0, int hub_entries=-1, "
+      "Tensor? codes=None, Tensor? code_grid=None) -> (Tensor, Tensor)");
   // The same search, returning how many distances each query computed (int32 [Q]) instead of
   // its results: the work behind a recall/throughput point, for benchmarks.
   m.def(
       "search_distance_counts(Tensor data, Tensor graph, Tensor queries, int k, int list_size=0, "
       "int search_width=1, int max_iters=0, str metric=\"l2\", int seed=0, Tensor? filter=None, "
-      "int searches=0, int hub_entries=-1) -> Tensor");
+      "int searches=0, int hub_entries=-1, Tensor? codes=None, Tensor? code_grid=None) -> Tensor");
   // Exact k nearest neighbours.
   m.def("knn(Tensor data, Tensor queries, int k, *, str metric=\"l2\") -> (Tensor, Tensor)");
   // Exact k nearest neighbours of each row of y among the rows of its own example of x (examples
@@ -116,12 +118,16 @@ TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
     no_cuda_kernel("build");
   });
   m.impl("search", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
-                      c10::string_view, int64_t, const c10::optional<at::Tensor>&, int64_t,
-                      int64_t) -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("search"); });
+                      c10::string_view, int64_t, const c10::optional<at::Tensor>&, int64_t, int64_t,
+                      const c10::optional<at::Tensor>&,
+                      const c10::optional<at::Tensor>&) -> std::tuple<at::Tensor, at::Tensor> {
+    no_cuda_kernel("search");
+  });
   m.impl("search_distance_counts",
          [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
-            c10::string_view, int64_t, const c10::optional<at::Tensor>&, int64_t,
-            int64_t) -> at::Tensor { no_cuda_kernel("search_distance_counts"); });
+            c10::string_view, int64_t, const c10::optional<at::Tensor>&, int64_t, int64_t,
+            const c10::optional<at::Tensor>&,
+            const c10::optional<at::Tensor>&) -> at::Tensor { no_cuda_kernel("search_distance_counts"); });
   m.impl("knn", [](const at::Tensor&, const at::Tensor&, int64_t, c10::string_view)
                     -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("knn"); });
   m.impl("prune_rows", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, c10::string_view, bool,

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "search_op.h"
 
 namespace grnnd {
 namespace {
@@ -19,10 +20,6 @@ std::tuple<at::Tensor, at::Tensor> knn_graph(const at::Tensor& data, int64_t k, 
       at::Tensor(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, double, c10::string_view,
                  c10::string_view, int64_t, double, c10::string_view, const c10::optional<at::Tensor>&,
                  int64_t, c10::string_view)>();
-  static const auto search_op = c10::Dispatcher::singleton().findSchemaOrThrow("grnnd::search", "").typed<
-      std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                                         int64_t, int64_t, c10::string_view, int64_t,
-                                         const c10::optional<at::Tensor>&, int64_t, int64_t)>();
 
   at::Tensor dists, ids;
   if (exact) {
@@ -38,8 +35,9 @@ std::tuple<at::Tensor, at::Tensor> knn_graph(const at::Tensor& data, int64_t k, 
                       int_default("outer_iters"), int_default("inner_iters"), float_default("reverse_ratio"),
                       str_default("update_order"), metric, seed, float_default("delta"), str_default("start"),
                       /*init=*/c10::nullopt, /*init_split=*/0, str_default("init_mode"));
-    std::tie(dists, ids) = search_op.call(data, graph, data, k + 1, list_size > 0 ? std::max(list_size, k + 1) : 0, 1,
-                                          0, metric, seed, c10::nullopt, /*searches=*/0, /*hub_entries=*/-1);
+    std::tie(dists, ids) = search_op().call(data, graph, data, k + 1, list_size > 0 ? std::max(list_size, k + 1) : 0, 1,
+                                          0, metric, seed, c10::nullopt, /*searches=*/0, /*hub_entries=*/-1,
+                                          /*codes=*/c10::nullopt, /*code_grid=*/c10::nullopt);
   }
   // Drop each row's own id; where the row is missing from its list, drop the last entry.
   // A stable sort of the "drop" marks keeps the order of the rest and needs no host sync.

@@ -9,6 +9,7 @@
 #include "checks.h"
 #include "hubs.h"
 #include "prune.h"
+#include "search_op.h"
 
 namespace grnnd {
 namespace {
@@ -128,10 +129,6 @@ at::Tensor reachability_sources(int64_t n, const at::TensorOptions& options) {
 
 int64_t connect_unreachable(at::Tensor& graph, const at::Tensor& data, c10::string_view metric, const at::Tensor& x,
                             const at::Tensor& lift) {
-  static const auto search_op = c10::Dispatcher::singleton().findSchemaOrThrow("grnnd::search", "").typed<
-      std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                                         int64_t, int64_t, c10::string_view, int64_t,
-                                         const c10::optional<at::Tensor>&, int64_t, int64_t)>();
   const int64_t n = graph.size(0);
   if (n == 0 || graph.size(1) == 0) return 0;
   const at::TensorOptions ids = graph.options().dtype(at::kLong);
@@ -144,9 +141,10 @@ int64_t connect_unreachable(at::Tensor& graph, const at::Tensor& data, c10::stri
     if (lost.numel() == 0) break;
     // Parent of a lost vertex: the nearest reached vertex a search finds for it (the filter
     // keeps lost vertices out of the results; list and seed are the search's defaults)...
-    const at::Tensor found = std::get<1>(search_op.call(data, graph, data.index_select(0, lost), 1,
-                                                        std::min<int64_t>(64, n), 1, 0, metric, 0, seen, 0, -1))
-                                 .squeeze(1);
+    const at::Tensor found =
+        std::get<1>(search_op().call(data, graph, data.index_select(0, lost), 1, std::min<int64_t>(64, n), 1, 0,
+                                     metric, 0, seen, 0, -1, /*codes=*/c10::nullopt, /*code_grid=*/c10::nullopt))
+            .squeeze(1);
     // ... else its nearest hub (vertex 0 without hubs).
     at::Tensor fallback = at::zeros_like(found);
     if (hubs.numel() > 0) {

@@ -207,7 +207,24 @@ def out_of_core(g: torch.Generator):
         grnnd.search(more, more_graph, q, 5, list_size=64, metric="l2")
 
 
-PARTS = ("basics", "edge_sizes", "hubs_and_repair", "segments", "editing", "out_of_core")
+def codes(g: torch.Generator):
+    """Searches by 8-bit codes with the exact re-rank: each storage type and metric, dimensions
+    that are and are not multiples of 16, each loop, a filter, split searches, pinned host rows.
+    Small enough for racecheck."""
+    for dtype, metric, dim in [(torch.float32, "l2", 48), (torch.float16, "cosine", 40), (torch.bfloat16, "ip", 1100)]:
+        data = torch.randn(2000, dim, generator=g, device="cuda").to(dtype)
+        graph = grnnd.build(data, metric=metric, outer_iters=1, inner_iters=1)
+        coded = grnnd.encode(data, metric=metric)
+        for width in (1, 2):  # the warp loop; the block loop
+            grnnd.search(data, graph, data[:4], 10, list_size=64, search_width=width, metric=metric, codes=coded,
+                         searches=1)
+        allowed = torch.rand(2000, generator=g, device="cuda") < 0.3
+        grnnd.search(data, graph, data[:2], 10, list_size=256, metric=metric, filter=allowed, codes=coded, searches=1)
+        grnnd.search(data, graph, data[:1], 10, list_size=64, searches=8, metric=metric, codes=coded)
+        grnnd.search(data.cpu().pin_memory(), graph, data[:3], 10, list_size=48, metric=metric, codes=coded)
+
+
+PARTS = ("basics", "edge_sizes", "hubs_and_repair", "segments", "editing", "out_of_core", "codes")
 
 
 def main(parts=PARTS):

@@ -28,6 +28,7 @@ def _check_torch_release() -> None:
 _check_torch_release()
 from . import autograd  # noqa: F401  (registers the backward of search, knn and knn_graph)
 from . import diagnostics, distributed, nn
+from .codes import Codes, encode
 from .eval import recall
 from .graph import knn_graph
 from .index import Index, merge
@@ -35,6 +36,6 @@ from .ops import build, knn, search, search_distance_counts
 from .params import BuildParams, SearchParams
 from .swapping import SwappingIndex
 
-__all__ = ["Index", "merge", "SwappingIndex", "BuildParams", "SearchParams", "build", "search",
+__all__ = ["Index", "merge", "SwappingIndex", "BuildParams", "SearchParams", "Codes", "encode", "build", "search",
            "search_distance_counts", "knn", "knn_graph", "recall", "nn", "distributed", "diagnostics"]
 __version__ = "0.1.0"

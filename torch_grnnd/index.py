@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from . import editing, merging, ops
+from .codes import CODE_KINDS, Codes, check_grid, code_row_bytes, encode, encode_rows
 from .params import MAX_LIST_SIZE, BuildParams, SearchParams
 from .progress import Progress
 
@@ -63,12 +64,14 @@ class Index:
 
     def __init__(self, data: Tensor, graph: Tensor, metric: ops.Metric = "l2",
                  build_params: Optional[BuildParams] = None, *, ids: Optional[Tensor] = None,
-                 removed: Optional[Tensor] = None, next_id: Optional[int] = None):
+                 removed: Optional[Tensor] = None, next_id: Optional[int] = None, codes: Optional[Codes] = None):
         """Wrap existing ``data`` and the ``graph`` that ``build`` made of it (no copy); ``ids``:
         optional int64 [N] user ids, which must be distinct (not checked here: no value is read,
         so wrapping costs nothing); ``removed``: optional bool [N] tombstones; ``next_id``: with
         ``ids``, that the index numbers its vectors itself and the number the next vector added
-        without an id gets (None: the ids are the user's, and every add must give them)."""
+        without an id gets (None: the ids are the user's, and every add must give them);
+        ``codes``: the rows' codes (:func:`torch_grnnd.encode`, same metric) that searches walk
+        the graph by, re-ranking by the rows."""
         self.data = data
         self.graph = graph
         self.metric = metric
@@ -76,26 +79,47 @@ class Index:
         self.ids = None if ids is None else check_ids(ids, data, distinct=False)
         self.removed = None if removed is None else check_removed(removed, data)
         self.next_id = None if ids is None else next_id
-        # Storage with room for more rows (reserve, add): data and graph are its first rows.
-        self._store: Optional[Tuple[Tensor, Tensor]] = None
+        if codes is not None and (not isinstance(codes, Codes) or codes.metric != metric
+                                  or codes.rows.shape[0] != data.shape[0]):
+            raise ValueError(f"codes: expected torch_grnnd.Codes of the {data.shape[0]} rows for metric {metric!r}")
+        self.codes = codes
+        # Storage with room for more rows (reserve, add): data, graph and code rows (None without
+        # codes) are its first rows.
+        self._store: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None
 
     @classmethod
     def build(cls, data: Tensor, params: Optional[BuildParams] = None, *, metric: ops.Metric = "l2",
               ids: Optional[Tensor] = None, progress: Progress = False,
               device: Optional[Union[str, torch.device]] = None, max_gpu_memory: Optional[Union[int, str]] = None,
-              **settings: Any) -> "Index":
+              codes: Optional[str] = None, **settings: Any) -> "Index":
         """Build the graph of ``data`` with :func:`torch_grnnd.build`'s ``params`` and
         ``settings`` (kept in :meth:`state_dict`); ``ids``: optional int64 [N] user ids that
-        search returns (distinct); ``progress`` reports the build (not kept). ``device`` and
+        search returns (distinct); ``progress`` reports the build (not kept). ``codes``:
+        ``"int8"`` keeps 8-bit codes of the rows (:func:`torch_grnnd.encode`, one byte per
+        dimension) that every search walks the graph by, re-ranking its final list by the rows:
+        fewer bytes per distance for a little recall at equal list size (the trade-off is
+        measured in benchmarks/README.md); None (the default) walks by the rows. ``device`` and
         ``max_gpu_memory`` build host rows on a GPU within a budget, as :func:`torch_grnnd.build`
         does (in shards where they do not fit); the index keeps the rows and the graph where
         ``data`` is. To search host rows from a GPU, keep them pinned and the graph on the GPU:
         ``Index(rows.pin_memory(), index.graph.cuda(), ...)``."""
         if ids is not None:
             ids = check_ids(ids, data)  # before the build: a bad id costs no build
+        if codes is not None and codes not in CODE_KINDS:  # before the build: a bad name costs no build
+            raise ValueError(f"codes: expected None or one of {CODE_KINDS}, got {codes!r}")
         params = BuildParams.merge(params, **settings)
         graph = ops.build(data, params, metric=metric, progress=progress, device=device, max_gpu_memory=max_gpu_memory)
-        return cls(data, graph, metric, params, ids=ids)
+        coded = None if codes is None else encode(data, codes, metric=metric, device=graph.device)
+        return cls(data, graph, metric, params, ids=ids, codes=coded)
+
+    def encode(self, codes: Optional[str] = "int8") -> None:
+        """Keep codes of the rows for searches to walk by (as ``Index.build(codes=...)``), made
+        afresh on a grid fitted to the rows held; None drops them. Codes follow the graph's
+        device."""
+        if codes is not None and codes not in CODE_KINDS:
+            raise ValueError(f"codes: expected None or one of {CODE_KINDS}, got {codes!r}")
+        self.codes = None if codes is None else encode(self.data, codes, metric=self.metric, device=self.graph.device)
+        self._store = None
 
     def search(self, queries: Tensor, k: Optional[int] = None, *, params: Optional[SearchParams] = None,
                **settings: Any) -> Tuple[Tensor, Tensor]:
@@ -108,7 +132,8 @@ class Index:
             # On the search's device: the queries', where data may be pinned host rows (search).
             live = ~self.removed.to(queries.device)
             merged = merged.replace(filter=live if merged.filter is None else live & merged.filter.to(live.device))
-        dists, rows = ops.search(self.data, self.graph, queries, k, params=merged, metric=self.metric)
+        dists, rows = ops.search(self.data, self.graph, queries, k, params=merged, metric=self.metric,
+                                 codes=self.codes)
         if self.ids is None:
             return dists, rows
         # The ids live with the data, which may be pinned host rows searched from a GPU.
@@ -176,16 +201,31 @@ class Index:
         among = self._batch_neighbours(vectors, progress)
         # The new rows go to storage rows the index does not use yet; nothing it uses changes
         # until every step that can fail has run.
-        store_data, store_graph = self._room_for(b)
+        store_data, store_graph, store_codes = self._room_for(b)
         store_data[n:n + b] = vectors
+        self._encode_new_rows(store_codes, vectors)
         new_rows, changed, changed_rows = editing.link_new_rows(
             store_data[:n + b], self.metric, self.graph, torch.cat([found, among], dim=1),
             self.build_params.reverse_ratio)
         store_graph[n:n + b] = new_rows
         store_graph[changed] = changed_rows
-        self._store = store_data, store_graph
+        self._store = store_data, store_graph, store_codes
         self.data, self.graph, self.ids, self.removed = store_data[:n + b], store_graph[:n + b], new_ids, removed
         self.next_id = next_id
+        self.codes = self._codes_of(store_codes, n + b)
+
+    def _encode_new_rows(self, store_codes: Optional[Tensor], vectors: Tensor) -> None:
+        """Code an add's ``vectors`` on the index's grid into the storage rows after its own
+        (values outside the grid clamp to its ends; :meth:`encode` fits a new one)."""
+        if self.codes is not None:
+            n = self.data.shape[0]
+            store_codes[n:n + vectors.shape[0]] = encode_rows(vectors, self.codes.grid, self.metric)
+
+    def _codes_of(self, store_codes: Optional[Tensor], rows: int) -> Optional[Codes]:
+        """The index's codes once it holds the first ``rows`` rows of storage."""
+        if self.codes is None:
+            return None
+        return Codes(self.codes.kind, self.metric, store_codes[:rows], self.codes.grid)
 
     def _ids_after_add(self, ids: Optional[Tensor], vectors: Tensor) -> Tuple[Optional[Tensor], Optional[int]]:
         """The index's ids and ``next_id`` once ``vectors`` are added with ``ids`` (checked): none
@@ -237,33 +277,35 @@ class Index:
         """``add`` of a large batch: one build of the index's rows and the batch, started from
         the index's graph; the index changes only once it has been made."""
         n, b = self.data.shape[0], vectors.shape[0]
-        store_data, store_graph = self._room_for(b)
+        store_data, store_graph, store_codes = self._room_for(b)
         store_data[n:n + b] = vectors
+        self._encode_new_rows(store_codes, vectors)
         init = torch.cat([self.graph, self.graph.new_full((b, self.graph.shape[1]), -1)])
         graph = ops.build(store_data[:n + b], self.build_params, metric=self.metric, progress=progress, init=init,
                           init_split=n, init_mode="grow")
         if graph.shape == store_graph[:n + b].shape:  # else a graph not of the build's width (Index(data, graph))
             store_graph[:n + b] = graph
             graph = store_graph[:n + b]
-        self._store = store_data, store_graph
+        self._store = store_data, store_graph, store_codes
         self.data, self.graph, self.ids, self.removed, self.next_id = store_data[:n + b], graph, ids, removed, next_id
+        self.codes = self._codes_of(store_codes, n + b)
 
     def reserve(self, capacity: int) -> None:
         """Make room for ``capacity`` rows in all, so that adds up to that many copy none of the
         rows already held. ``add`` grows the room by half when a batch does not fit."""
         n = self.data.shape[0]
         if capacity > self.capacity:
-            data = self.data.new_empty(capacity, self.data.shape[1])
-            graph = self.graph.new_empty(capacity, self.graph.shape[1])
-            data[:n], graph[:n] = self.data, self.graph
-            self._store = data, graph
-            self.data, self.graph = data[:n], graph[:n]
+            self._store = self._grown(capacity)
+            self.data, self.graph = self._store[0][:n], self._store[1][:n]
+            self.codes = self._codes_of(self._store[2], n)
 
     @property
     def capacity(self) -> int:
         """Rows the index holds or has room for without copying its storage."""
         if self._store is None or not self._stored(self.data, self._store[0]) \
-                or not self._stored(self.graph, self._store[1]):
+                or not self._stored(self.graph, self._store[1]) \
+                or (self.codes is not None and (self._store[2] is None or not self._stored(self.codes.rows,
+                                                                                          self._store[2]))):
             return self.data.shape[0]
         return self._store[0].shape[0]
 
@@ -272,18 +314,26 @@ class Index:
         """Whether ``view`` is still the first rows of ``store`` (not replaced since)."""
         return view.data_ptr() == store.data_ptr() and view.shape[1:] == store.shape[1:]
 
-    def _room_for(self, b: int) -> Tuple[Tensor, Tensor]:
-        """Storage (data, graph) whose first rows are the index's and that has room for ``b``
-        more: the current one, or a new one half as large again (filled with the index's rows;
-        the index itself is not changed)."""
+    def _room_for(self, b: int) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """Storage (data, graph, code rows or None) whose first rows are the index's and that
+        has room for ``b`` more: the current one, or a new one half as large again (the index
+        itself is not changed)."""
         n = self.data.shape[0]
         if self.capacity >= n + b:
             return self._store
-        capacity = max(n + b, n + n // 2)
+        return self._grown(max(n + b, n + n // 2))
+
+    def _grown(self, capacity: int) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """New storage for ``capacity`` rows, its first rows filled with the index's."""
+        n = self.data.shape[0]
         data = self.data.new_empty(capacity, self.data.shape[1])
         graph = self.graph.new_empty(capacity, self.graph.shape[1])
         data[:n], graph[:n] = self.data, self.graph
-        return data, graph
+        codes = None
+        if self.codes is not None:
+            codes = self.codes.rows.new_zeros(capacity, self.codes.rows.shape[1])
+            codes[:n] = self.codes.rows
+        return data, graph, codes
 
     def remove(self, ids: Tensor) -> None:
         """Hide the vectors with these ids (user ids, or row numbers without them) from every
@@ -309,7 +359,9 @@ class Index:
             return
         kept, graph = editing.consolidate(self.data, self.metric, self.graph, self.removed)
         ids, next_id = self._numbers()
+        codes = None if self.codes is None else self.codes.select(kept)
         self.data, self.graph, self.ids, self.removed, self.next_id = self.data[kept], graph, ids[kept], None, next_id
+        self.codes = codes
         self._store = None
 
     def rows_of(self, ids: Tensor) -> Tensor:
@@ -354,7 +406,8 @@ class Index:
         """The same index with its tensors on ``device``."""
         move = (lambda t: None if t is None else t.to(device))  # noqa: E731
         return Index(self.data.to(device), self.graph.to(device), self.metric, self.build_params,
-                     ids=move(self.ids), removed=move(self.removed), next_id=self.next_id)
+                     ids=move(self.ids), removed=move(self.removed), next_id=self.next_id,
+                     codes=None if self.codes is None else self.codes.to(device))
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to restore the index, as tensors, strings and numbers."""
@@ -367,6 +420,8 @@ class Index:
             state["next_id"] = self.next_id
         if self.removed is not None:
             state["removed"] = self.removed
+        if self.codes is not None:
+            state["codes"] = {**self.codes.state(), "rows": _own_storage(self.codes.rows)}
         return state
 
     @classmethod
@@ -383,8 +438,9 @@ class Index:
         removed = None if removed is None else check_removed(removed, data)
         ids = None if ids is None else check_ids(ids, data, removed=removed)
         next_id = check_next_id(state.get("next_id"), ids)
+        codes = None if state.get("codes") is None else check_codes_state(state["codes"], data, metric)
         index = cls(data, graph, metric, BuildParams().replace(**state.get("build_params", {})), ids=ids,
-                    removed=removed, next_id=next_id)
+                    removed=removed, next_id=next_id, codes=codes)
         capacity = state.get("capacity", 0)
         if not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"state: capacity must be a non-negative int, got {capacity!r}")
@@ -392,8 +448,9 @@ class Index:
         return index
 
     def __repr__(self) -> str:
+        codes = "" if self.codes is None else f", codes={self.codes.kind!r}"
         return (f"Index(n={len(self)}, dim={self.dim}, degree={self.graph.shape[1]}, metric={self.metric!r}, "
-                f"dtype={self.data.dtype}, device={self.device})")
+                f"dtype={self.data.dtype}, device={self.device}{codes})")
 
 
 def _own_storage(t: Tensor) -> Tensor:
@@ -424,6 +481,19 @@ def check_state(data: Any, graph: Any, metric: Any) -> None:
                              f"{lo if lo < -1 else hi}")
     if metric not in ("l2", "ip", "cosine"):
         raise ValueError(f'state: metric must be "l2", "ip" or "cosine", got {metric!r}')
+
+
+def check_codes_state(state: Any, data: Tensor, metric: str) -> Codes:
+    """Restored codes (a dict of kind, rows, grid) that fit the data and metric."""
+    if not isinstance(state, dict) or state.get("kind") not in CODE_KINDS:
+        raise ValueError(f"state: codes must be a dict whose kind is one of {CODE_KINDS}")
+    rows, grid = state.get("rows"), state.get("grid")
+    width = code_row_bytes(data.shape[1], metric)
+    if not isinstance(rows, Tensor) or rows.dtype != torch.uint8 or tuple(rows.shape) != (data.shape[0], width):
+        raise ValueError(f"state: code rows must be uint8 [{data.shape[0]}, {width}], got "
+                         f"{tuple(rows.shape) if isinstance(rows, Tensor) else type(rows).__name__}")
+    check_grid(grid, data.shape[1])
+    return Codes(state["kind"], metric, rows, grid.to(rows.device))
 
 
 def check_ids(ids: Any, data: Tensor, distinct: bool = True, removed: Optional[Tensor] = None) -> Tensor:
@@ -472,7 +542,8 @@ def merge(a: Index, b: Index, *, progress: Progress = False, **settings: Any) ->
     :data:`torch_grnnd.merging.OUTER_ITERS`, unless they name ``outer_iters``). User ids and
     tombstones are kept; both indexes must have user ids, and no id may be live in both, or both
     number their vectors themselves (built without ids), and b's numbers follow a's as its rows
-    do."""
+    do. Where either has codes, the union gets codes of that kind on a grid fitted to all its
+    rows."""
     if not isinstance(a, Index) or not isinstance(b, Index):
         raise TypeError(f"merge: expected two Index objects, got {type(a).__name__} and {type(b).__name__}")
     if a.metric != b.metric:
@@ -501,4 +572,7 @@ def merge(a: Index, b: Index, *, progress: Progress = False, **settings: Any) ->
     params = BuildParams.merge(a.build_params, **settings)
     data, graph = merging.merge_graphs(a.data, a.graph, b.data, b.graph, merging.schedule(params, settings), a.metric,
                                        progress)
-    return Index(data, graph, a.metric, params, ids=ids, removed=removed, next_id=next_id)
+    # The union's codes on a grid fitted to all its rows (each half's grid may miss the other's range).
+    coded = a.codes or b.codes
+    codes = None if coded is None else encode(data, coded.kind, metric=a.metric, device=coded.rows.device)
+    return Index(data, graph, a.metric, params, ids=ids, removed=removed, next_id=next_id, codes=codes)

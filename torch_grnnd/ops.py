@@ -11,6 +11,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from .codes import Codes
 from .params import BuildParams, SearchParams
 from .progress import Progress, run_reporting
 
@@ -94,14 +95,23 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
     return run_reporting(progress, "build", run)
 
 
-def _search_arguments(params: Optional[SearchParams], k: Optional[int], settings: dict) -> tuple:
+def _search_arguments(params: Optional[SearchParams], k: Optional[int], settings: dict, codes: Optional[Codes],
+                      metric: Metric) -> tuple:
     p = SearchParams.merge(params, k=k, **settings)
-    return p.k, dict(list_size=p.list_size, search_width=p.search_width, max_iters=p.max_iters, seed=p.seed,
-                     filter=p.filter, searches=p.searches, hub_entries=p.hub_entries)
+    kwargs = dict(list_size=p.list_size, search_width=p.search_width, max_iters=p.max_iters, seed=p.seed,
+                  filter=p.filter, searches=p.searches, hub_entries=p.hub_entries)
+    if codes is not None:
+        if not isinstance(codes, Codes):
+            raise TypeError(f"codes: expected torch_grnnd.Codes (torch_grnnd.encode), got {type(codes).__name__}")
+        if codes.metric != metric:
+            raise ValueError(f"codes: made for metric {codes.metric!r}, but the search uses {metric!r}")
+        kwargs.update(codes=codes.rows, code_grid=codes.grid)
+    return p.k, kwargs
 
 
 def search(data: Tensor, graph: Tensor, queries: Tensor, k: Optional[int] = None, *,
-           params: Optional[SearchParams] = None, metric: Metric = "l2", **settings: Any) -> Tuple[Tensor, Tensor]:
+           params: Optional[SearchParams] = None, metric: Metric = "l2", codes: Optional[Codes] = None,
+           **settings: Any) -> Tuple[Tensor, Tensor]:
     """Approximate k nearest neighbours of each query by greedy search over ``graph``.
 
     The settings (list size, width, iterations, independent searches, seed, filter) and how
@@ -115,6 +125,10 @@ def search(data: Tensor, graph: Tensor, queries: Tensor, k: Optional[int] = None
         k: neighbours returned per query (overrides ``params.k``; 10 when neither is given).
         params: the search settings, :class:`~torch_grnnd.SearchParams`.
         metric: must be the metric the graph was built with.
+        codes: the rows' compact codes (:func:`torch_grnnd.encode`, same metric), on the
+            queries' device: the walk computes its distances from them, reading a quarter or
+            half the bytes, and its final list is re-ranked by exact distances to ``data``'s
+            rows (which may then lie in pinned host memory: only the list's rows are read).
         **settings: any field of :class:`~torch_grnnd.SearchParams` (``list_size=128``, ...),
             overriding ``params``.
 
@@ -129,20 +143,22 @@ def search(data: Tensor, graph: Tensor, queries: Tensor, k: Optional[int] = None
         >>> i[:, 0].tolist()
         [0, 1, 2, 3, 4]
     """
-    k, kwargs = _search_arguments(params, k, settings)
+    k, kwargs = _search_arguments(params, k, settings, codes, metric)
     return torch.ops.grnnd.search.default(data, graph, queries, k, metric=metric, **kwargs)
 
 
 def search_distance_counts(data: Tensor, graph: Tensor, queries: Tensor, k: Optional[int] = None, *,
                            params: Optional[SearchParams] = None, metric: Metric = "l2",
-                           **settings: Any) -> Tensor:
+                           codes: Optional[Codes] = None, **settings: Any) -> Tensor:
     """How many distances :func:`search` computes for each query (int32 [Q]), with the same arguments.
 
     Runs the same search and counts instead of returning results: the work behind a point on a
     recall/throughput curve. On CUDA a node the visited hash forgot and met again is counted
-    each time it is computed; the CPU never forgets, so its counts can be slightly lower.
+    each time it is computed; the CPU never forgets, so its counts can be slightly lower. With
+    ``codes`` these are the walk's code distances; the re-rank adds one exact distance per entry
+    of the final list.
     """
-    k, kwargs = _search_arguments(params, k, settings)
+    k, kwargs = _search_arguments(params, k, settings, codes, metric)
     return torch.ops.grnnd.search_distance_counts.default(data, graph, queries, k, metric=metric, **kwargs)
 
 

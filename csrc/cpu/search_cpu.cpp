@@ -6,12 +6,17 @@
 // rows (seeded per query), so disconnected parts of a graph are still reachable. A query
 // answered by several searches (params.h) runs them one after another and merges their results.
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include <torch/library.h>
 
 #include "../checks.h"
+#include "../codes.h"
 #include "../hubs.h"
 #include "../philox.h"
 #include "vectors_cpu.h"
@@ -71,18 +76,88 @@ class Visited {
   uint32_t current_ = 0;
 };
 
+// The rows' codes (codes.h) and one query's terms for them, in the steps the GPU takes
+// (search_cuda.cu, prepare_code_query and team_code_distance), so that both devices compute the
+// same code distances.
+class CodeDistances {
+ public:
+  CodeDistances(const SearchCodes& codes, int64_t dim, Metric metric)
+      : rows_(codes.codes.data_ptr<uint8_t>()),
+        offset_(codes.grid.data_ptr<float>()),
+        step_(offset_ + dim),
+        stride_(codes.codes.size(1)),
+        dim_(dim),
+        code_dims_(code_dims(dim)),
+        metric_(metric),
+        hi_(code_dims_),
+        lo_(code_dims_) {}
+
+  void set_query(const float* q) {
+    std::array<float, kCodeConstantLanes> constant{};
+    float largest = 0.0f;
+    for (int64_t d = 0; d < dim_; ++d) {
+      largest = std::fmax(largest, std::fabs(code_query_term(q[d], offset_[d], step_[d], metric_)));
+      float& lane = constant[d % kCodeConstantLanes];
+      lane = code_constant_step(lane, q[d], offset_[d], metric_);
+    }
+    for (int offset = kCodeConstantLanes / 2; offset > 0; offset /= 2) {  // the shuffles' xor butterfly
+      std::array<float, kCodeConstantLanes> next;
+      for (int l = 0; l < kCodeConstantLanes; ++l) next[l] = constant[l] + constant[l ^ offset];
+      constant = next;
+    }
+    scale_ = code_query_scale(largest);
+    bias_ = code_bias(constant[0], metric_);
+    for (int64_t d = 0; d < code_dims_; ++d) {
+      const int level = d < dim_ ? code_query_level(code_query_term(q[d], offset_[d], step_[d], metric_), scale_) : 0;
+      hi_[d] = static_cast<int8_t>(level >> 8);
+      lo_[d] = static_cast<uint8_t>(level & 0xff);
+    }
+  }
+
+  float to(int64_t row) const {
+    const uint8_t* codes = rows_ + row * stride_;
+    int32_t hi_dot = 0, lo_dot = 0;
+    for (int64_t d = 0; d < code_dims_; ++d) {
+      hi_dot += static_cast<int32_t>(hi_[d]) * codes[d];
+      lo_dot += static_cast<int32_t>(lo_[d]) * codes[d];
+    }
+    float norm = 0.0f;
+    if (metric_ == Metric::kL2) std::memcpy(&norm, codes + code_dims_, sizeof(float));
+    const float dist = code_distance(hi_dot, lo_dot, scale_, bias_, norm, metric_);
+    return std::isnan(dist) ? std::numeric_limits<float>::infinity() : dist;
+  }
+
+  void prefetch(int64_t row) const {
+    const char* p = reinterpret_cast<const char*>(rows_ + row * stride_);
+    for (int64_t off = 0; off < stride_; off += 64) __builtin_prefetch(p + off);
+  }
+
+ private:
+  const uint8_t* rows_;
+  const float* offset_;
+  const float* step_;
+  int64_t stride_, dim_, code_dims_;
+  Metric metric_;
+  std::vector<int8_t> hi_;
+  std::vector<uint8_t> lo_;
+  float scale_ = 1.0f, bias_ = 0.0f;
+};
+
 // One thread's scratch for searching, reused across its queries.
 class Searcher {
  public:
-  Searcher(int64_t n, int list_size, int k) : visited_(n), list_(list_size), results_(k) {}
+  // kept: allowed entries the result list keeps (k; with codes the list's length, for the re-rank).
+  Searcher(int64_t n, int list_size, int kept) : visited_(n), list_(list_size), results_(kept) {}
 
   // Search number `search` of query `qi`: entry points are its share of the query's nearest hubs
   // (HubEntries), then draws from counter (qi, search, e), as on the GPU. Returns its best nodes
   // ascending (the allowed ones when `allowed` is set) and adds the distances it computed to
-  // `evaluated`.
-  const std::vector<Candidate>& run(const VectorSet& vectors, const float* query, const int32_t* adjacency,
-                                    int64_t degree, const bool* allowed, const SearchParams& p, int64_t n,
-                                    const HubEntries& hubs, uint32_t qi, uint32_t search, int64_t& evaluated) {
+  // `evaluated`. With `codes` (set to this query) the walk computes code distances, and its best
+  // nodes are then re-ranked by exact ones.
+  const std::vector<Candidate>& run(const VectorSet& vectors, const float* query, const CodeDistances* codes,
+                                    const int32_t* adjacency, int64_t degree, const bool* allowed,
+                                    const SearchParams& p, int64_t n, const HubEntries& hubs, uint32_t qi,
+                                    uint32_t search, int64_t& evaluated) {
     visited_.next_query();
     list_.clear();
     results_.clear();
@@ -91,7 +166,7 @@ class Searcher {
     auto consider_fresh = [&] {
       evaluated += static_cast<int64_t>(fresh_.size());
       for (const int32_t id : fresh_) {
-        const float d = vectors.to(query, id);
+        const float d = codes != nullptr ? codes->to(id) : vectors.to(query, id);
         list_.insert({d, id, false});
         if (allowed != nullptr && allowed[id]) results_.insert({d, id, true});
       }
@@ -104,7 +179,7 @@ class Searcher {
       const int32_t id = hub >= 0 ? hubs.ids[static_cast<int64_t>(qi) * hubs.columns + hub]
                                   : static_cast<int32_t>(random_below(r, static_cast<uint32_t>(n)));
       if (!visited_.test_and_set(id)) {
-        vectors.prefetch(id);
+        prefetch(vectors, codes, id);
         fresh_.push_back(id);
       }
     }
@@ -127,17 +202,36 @@ class Searcher {
           // does not see a write that bypassed torch (through .numpy(), say).
           if (row[j] >= n) continue;
           if (!visited_.test_and_set(row[j])) {
-            vectors.prefetch(row[j]);
+            prefetch(vectors, codes, row[j]);
             fresh_.push_back(row[j]);
           }
         }
       }
       consider_fresh();
     }
-    return allowed != nullptr ? results_.items() : list_.items();
+    std::vector<Candidate>& best = allowed != nullptr ? results_.items() : list_.items();
+    if (codes != nullptr) {
+      for (Candidate& c : best) c.dist = exact_distance(vectors, query, c.id);
+      std::sort(best.begin(), best.end(), closer);
+    }
+    return best;
   }
 
  private:
+  static void prefetch(const VectorSet& vectors, const CodeDistances* codes, int64_t id) {
+    if (codes != nullptr) {
+      codes->prefetch(id);
+    } else {
+      vectors.prefetch(id);
+    }
+  }
+
+  // The search's exact distance, NaN ordered last as on the GPU.
+  static float exact_distance(const VectorSet& vectors, const float* query, int64_t id) {
+    const float d = vectors.to(query, id);
+    return std::isnan(d) ? std::numeric_limits<float>::infinity() : d;
+  }
+
   Visited visited_;
   SortedList list_, results_;
   std::vector<int32_t> parents_, fresh_;
@@ -146,8 +240,8 @@ class Searcher {
 // Runs the search of every query; fills the results, or with `counts` set only the number of
 // distances each query computed.
 void run_search(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries,
-                const c10::optional<at::Tensor>& filter, const SearchParams& p, float* dist_out, int64_t* id_out,
-                int32_t* counts) {
+                const c10::optional<at::Tensor>& filter, const SearchCodes& codes, const SearchParams& p,
+                float* dist_out, int64_t* id_out, int32_t* counts) {
   const int64_t n = data.size(0), nq = queries.size(0), degree = graph.size(1);
   const at::Tensor x = prepare_vectors(data, p.metric), q = prepare_vectors(queries, p.metric);
   const VectorSet vectors{x.data_ptr<float>(), x.size(1), p.metric};
@@ -163,16 +257,20 @@ void run_search(const at::Tensor& data, const at::Tensor& graph, const at::Tenso
   const at::Tensor hub_table = hub_entries(x, q, p.metric, /*x_normalised=*/true, per_search * searches);
   const HubEntries hubs = hub_entries_view(hub_table, per_search, searches);
 
+  const bool coded = codes.codes.defined();
   at::parallel_for(0, nq, 16, [&](int64_t begin, int64_t end) {
-    Searcher searcher(n, list, p.k);
+    Searcher searcher(n, list, coded ? std::max(p.k, list) : p.k);
+    std::optional<CodeDistances> code_distances;
+    if (coded) code_distances.emplace(codes, x.size(1), p.metric);
     std::vector<Candidate> merged;
     for (int64_t qi = begin; qi < end; ++qi) {
       const float* query = q.data_ptr<float>() + qi * q.size(1);
+      if (coded) code_distances->set_query(query);
       int64_t evaluated = 0;
       merged.clear();
       for (int s = 0; s < searches; ++s) {
         const std::vector<Candidate>& best =
-            searcher.run(vectors, query, adjacency, degree, allowed, p, n,
+            searcher.run(vectors, query, coded ? &*code_distances : nullptr, adjacency, degree, allowed, p, n,
                          hubs, static_cast<uint32_t>(qi), static_cast<uint32_t>(s), evaluated);
         merged.insert(merged.end(), best.begin(), best.begin() + std::min<size_t>(p.k, best.size()));
       }
@@ -200,15 +298,19 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const at::Tensor& data, const at::
                                               const at::Tensor& queries, int64_t k, int64_t list_size,
                                               int64_t search_width, int64_t max_iters, c10::string_view metric,
                                               int64_t seed, const c10::optional<at::Tensor>& filter,
-                                              int64_t searches, int64_t hub_entries) {
+                                              int64_t searches, int64_t hub_entries,
+                                              const c10::optional<at::Tensor>& codes,
+                                              const c10::optional<at::Tensor>& code_grid) {
   check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches, hub_entries);
+  const SearchCodes search_codes = check_search_codes(codes, code_grid, data, queries, p.metric);
   check_search_contents(data, graph, queries);
   at::Tensor out_dists =
       at::full({queries.size(0), p.k}, std::numeric_limits<float>::infinity(), queries.options().dtype(at::kFloat));
   at::Tensor out_ids = at::full({queries.size(0), p.k}, -1, queries.options().dtype(at::kLong));
-  run_search(data, graph, queries, filter, p, out_dists.data_ptr<float>(), out_ids.data_ptr<int64_t>(), nullptr);
+  run_search(data, graph, queries, filter, search_codes, p, out_dists.data_ptr<float>(), out_ids.data_ptr<int64_t>(),
+             nullptr);
   return {out_dists, out_ids};
 }
 
@@ -216,13 +318,15 @@ at::Tensor search_distance_counts_cpu(const at::Tensor& data, const at::Tensor& 
                                       int64_t k, int64_t list_size, int64_t search_width, int64_t max_iters,
                                       c10::string_view metric, int64_t seed,
                                       const c10::optional<at::Tensor>& filter, int64_t searches,
-                                      int64_t hub_entries) {
+                                      int64_t hub_entries, const c10::optional<at::Tensor>& codes,
+                                      const c10::optional<at::Tensor>& code_grid) {
   check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches, hub_entries);
+  const SearchCodes search_codes = check_search_codes(codes, code_grid, data, queries, p.metric);
   check_search_contents(data, graph, queries);
   at::Tensor counts = at::zeros({queries.size(0)}, queries.options().dtype(at::kInt));
-  run_search(data, graph, queries, filter, p, nullptr, nullptr, counts.data_ptr<int32_t>());
+  run_search(data, graph, queries, filter, search_codes, p, nullptr, nullptr, counts.data_ptr<int32_t>());
   return counts;
 }
 

@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include "../checks.h"
+#include "../codes.h"
 #include "../hubs.h"
 #include "../philox.h"
 #include "sort_cuda.cuh"
@@ -74,6 +75,10 @@ __device__ __forceinline__ bool hash_insert(uint32_t* table, int bits, uint32_t 
 
 struct SearchArgs {
   const int32_t* graph;
+  const uint8_t* codes;    // null, or the rows' codes (codes.h): the traversal reads them, the rows re-rank
+  const float* code_grid;  // [2, dim]: each dimension's offset, then its step
+  int64_t code_stride;     // bytes per code row (code_row_bytes)
+  int code_dims;           // codes per row, padded to a multiple of 16 (code_dims)
   const bool* allowed;  // null without a filter
   float* out_dists;     // [Q * searches, k]: the results, or each search's part when split
   int64_t* out_ids;
@@ -82,6 +87,8 @@ struct SearchArgs {
   Metric metric;
   int n, dim, degree;
   int k;
+  int kept;          // entries the filtered result list keeps: k, or with codes the list's
+                     // length, so that the re-rank has as many to choose from as without a filter
   int searches;      // blocks (independent searches) per query
   int list_size;     // entries each search keeps in its list (<= list_cap)
   int list_cap;      // M: power of two
@@ -104,8 +111,81 @@ struct Scalars {
   int n_allowed;   // allowed candidates kept for the result list
   int evaluated;   // distances computed by this block
   int done;        // warp_iterations: no parent left (or max_iters reached)
+  float code_scale;  // with codes: the query's scale and bias (codes.h)
+  float code_bias;
   uint32_t parents[kMaxSearchWidth];
 };
+
+// The query as the code distances need it (codes.h): its 16-bit terms split into a signed high
+// and an unsigned low byte per dimension (shared memory, code_dims each), its scale and bias.
+struct CodeQuery {
+  const uint8_t* hi;
+  const uint8_t* lo;
+  float scale;
+  float bias;
+};
+
+// Four byte products added to c: a's bytes signed, b's unsigned.
+__device__ __forceinline__ int dot4_signed_unsigned(uint32_t a, uint32_t b, int c) {
+  int d;
+  asm("dp4a.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// Code distance of row u to the query (codes.h) by the TEAM lanes of a team, with 16-byte
+// loads of the code row (IN_FLIGHT of them per lane at once, as team_visit_chunks). All lanes
+// of the warp call it together; a team without a row passes valid = false and loads nothing.
+template <int TEAM, int IN_FLIGHT>
+__device__ __forceinline__ float team_code_distance(const SearchArgs& a, const CodeQuery& cq, uint32_t u, bool valid,
+                                                    int rank) {
+  const uint8_t* row = a.codes + static_cast<int64_t>(u) * a.code_stride;
+  const uint4* codes = reinterpret_cast<const uint4*>(row);
+  const uint4* hi = reinterpret_cast<const uint4*>(cq.hi);
+  const uint4* lo = reinterpret_cast<const uint4*>(cq.lo);
+  const int chunks = valid ? a.code_dims / 16 : 0;
+  int hi_dot = 0;
+  unsigned lo_dot = 0u;
+#pragma unroll 1
+  for (int first = rank; first < chunks; first += IN_FLIGHT * TEAM) {
+    uint4 c[IN_FLIGHT];
+#pragma unroll
+    for (int k = 0; k < IN_FLIGHT; ++k) {
+      if (first + k * TEAM < chunks) c[k] = __ldg(codes + first + k * TEAM);
+    }
+#pragma unroll
+    for (int k = 0; k < IN_FLIGHT; ++k) {
+      const int at = first + k * TEAM;
+      if (at < chunks) {
+        const uint4 h = hi[at], l = lo[at];
+        hi_dot = dot4_signed_unsigned(h.x, c[k].x, hi_dot);
+        hi_dot = dot4_signed_unsigned(h.y, c[k].y, hi_dot);
+        hi_dot = dot4_signed_unsigned(h.z, c[k].z, hi_dot);
+        hi_dot = dot4_signed_unsigned(h.w, c[k].w, hi_dot);
+        lo_dot = __dp4a(l.x, c[k].x, lo_dot);
+        lo_dot = __dp4a(l.y, c[k].y, lo_dot);
+        lo_dot = __dp4a(l.z, c[k].z, lo_dot);
+        lo_dot = __dp4a(l.w, c[k].w, lo_dot);
+      }
+    }
+  }
+  hi_dot = team_sum<TEAM>(hi_dot);
+  lo_dot = team_sum<TEAM>(lo_dot);
+  const float norm = a.metric == Metric::kL2 && valid ? __ldg(reinterpret_cast<const float*>(row + a.code_dims)) : 0.0f;
+  return code_distance(hi_dot, static_cast<int32_t>(lo_dot), cq.scale, cq.bias, norm, a.metric);
+}
+
+// The exact distance of data row u to the query by the TEAM lanes of a team (same calling rules
+// as team_distance); NaN becomes +inf, which would otherwise break the sort order.
+template <typename T, int TEAM, int IN_FLIGHT>
+__device__ __forceinline__ float exact_distance(const SearchArgs& a, const T* __restrict__ x,
+                                                const T* __restrict__ query, uint32_t u, bool valid, int rank) {
+  const T* row = x + static_cast<int64_t>(u) * a.dim;
+  const int dim = valid ? a.dim : 0;
+  const float dist = a.metric == Metric::kCosine
+                         ? team_cosine<TEAM, T, /*kUnitA=*/true, IN_FLIGHT>(query, row, dim, rank)
+                         : team_distance<TEAM, IN_FLIGHT>(query, row, dim, a.metric, rank);
+  return isnan(dist) ? std::numeric_limits<float>::infinity() : dist;
+}
 
 // Static shared memory of the kernel (Scalars), rounded up generously: dynamic + static must
 // stay within the per-block limit.
@@ -114,12 +194,12 @@ static_assert(sizeof(Scalars) <= kStaticShared, "Scalars outgrew its shared-memo
 
 // Team-cooperative distances of cand[0, n) to the query into cand_d (seed 002: warp-cooperative
 // distance with 16-byte loads; the team size is matched to the row so that short rows do not
-// idle most of a warp). Called by the whole block; no barrier inside. IN_FLIGHT: chunks of a
-// row each lane loads at once (team_visit).
-template <typename T, int TEAM, int IN_FLIGHT = 1>
+// idle most of a warp): from the codes when CODED, else exact. Called by the whole block; no
+// barrier inside. IN_FLIGHT: chunks of a row each lane loads at once (team_visit).
+template <typename T, int TEAM, bool CODED, int IN_FLIGHT = 1>
 __device__ __forceinline__ void compute_distances(const SearchArgs& a, const T* __restrict__ x,
-                                                  const T* __restrict__ query, int n, float* cand_d,
-                                                  const uint32_t* cand_i) {
+                                                  const T* __restrict__ query, const CodeQuery& cq, int n,
+                                                  float* cand_d, const uint32_t* cand_i) {
   const int tid = threadIdx.x;
   const int teams = blockDim.x / TEAM, team = tid / TEAM, rank = tid % TEAM;
   const int warp_first_team = (tid / kWarpSize) * (kWarpSize / TEAM);
@@ -130,12 +210,13 @@ __device__ __forceinline__ void compute_distances(const SearchArgs& a, const T* 
     const int c = base + team;
     const bool valid = c < n;
     const uint32_t u = valid ? cand_i[c] : 0u;
-    const T* row = x + static_cast<int64_t>(u) * a.dim;
-    const int dim = valid ? a.dim : 0;
-    float dist = a.metric == Metric::kCosine
-                     ? team_cosine<TEAM, T, /*kUnitA=*/true, IN_FLIGHT>(query, row, dim, rank)
-                     : team_distance<TEAM, IN_FLIGHT>(query, row, dim, a.metric, rank);
-    if (isnan(dist)) dist = std::numeric_limits<float>::infinity();  // NaN would break the sort order
+    float dist;
+    if constexpr (CODED) {
+      dist = team_code_distance<TEAM, IN_FLIGHT>(a, cq, u, valid, rank);
+      if (isnan(dist)) dist = std::numeric_limits<float>::infinity();
+    } else {
+      dist = exact_distance<T, TEAM, IN_FLIGHT>(a, x, query, u, valid, rank);
+    }
     if (valid && rank == 0) cand_d[c] = dist;
   }
 }
@@ -143,9 +224,9 @@ __device__ __forceinline__ void compute_distances(const SearchArgs& a, const T* 
 // Computes the distances of cand[0, n) (ids already written), sorts them, and merges them into
 // the list (and the allowed ones into the result list). Entered after a __syncthreads that
 // published cand ids and s.n_cand; returns after one (or at once, with nothing to do).
-template <typename T, int TEAM>
+template <typename T, int TEAM, bool CODED>
 __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query,
-                                   Scalars& s, float* list_d, uint32_t* list_i, float* res_d, uint32_t* res_i,
+                                   const CodeQuery& cq, Scalars& s, float* list_d, uint32_t* list_i, float* res_d, uint32_t* res_i,
                                    float* cand_d, uint32_t* cand_i) {
   const int tid = threadIdx.x, lane = tid % kWarpSize;
   const int n = s.n_cand;
@@ -155,7 +236,7 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
   }
   if (tid == 0) s.evaluated += n;  // thread 0 alone writes and reads it
   const int n_sort = next_pow2(n);  // <= cand_cap, which is a power of two >= n
-  compute_distances<T, TEAM>(a, x, query, n, cand_d, cand_i);
+  compute_distances<T, TEAM, CODED>(a, x, query, cq, n, cand_d, cand_i);
   for (int c = n + tid; c < n_sort; c += blockDim.x) {
     cand_d[c] = std::numeric_limits<float>::infinity();
     cand_i[c] = kEmptyId;
@@ -169,10 +250,10 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
   if (a.allowed != nullptr) {
     // Every computed node competes for the results if the filter allows it (as on the CPU).
     // Warp 0 compacts the allowed candidates to the front in order, so they stay sorted; only
-    // the first k can matter. The list merge above no longer reads cand.
+    // the first `kept` can matter. The list merge above no longer reads cand.
     if (tid < kWarpSize) {
       int kept = 0;
-      for (int base = 0; base < n && kept < a.k; base += kWarpSize) {  // kept is warp-uniform
+      for (int base = 0; base < n && kept < a.kept; base += kWarpSize) {  // kept is warp-uniform
         const int c = base + lane;
         bool ok = false;
         float d = 0.0f;
@@ -185,17 +266,17 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
         const unsigned bits = __ballot_sync(kFullMask, ok);
         __syncwarp();  // all lanes have read this chunk before any lane overwrites part of it
         const int pos = kept + __popc(bits & ((1u << lane) - 1u));
-        if (ok && pos < a.k) {
+        if (ok && pos < a.kept) {
           cand_d[pos] = d;
           cand_i[pos] = u;
         }
         kept += __popc(bits);
         __syncwarp();
       }
-      if (lane == 0) s.n_allowed = min(kept, a.k);
+      if (lane == 0) s.n_allowed = min(kept, a.kept);
     }
     __syncthreads();
-    merge_sorted(res_d, res_i, a.result_cap, a.k, cand_d, cand_i, s.n_allowed);
+    merge_sorted(res_d, res_i, a.result_cap, a.kept, cand_d, cand_i, s.n_allowed);
   }
   __syncthreads();
 }
@@ -203,9 +284,9 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
 // The iterations in general (any list, round or filter), the block sharing the work: parent
 // choice, expansion, distances, sort and merge each take the whole block, with barriers
 // between them. Entered after the entry points were merged into the list.
-template <typename T, int TEAM>
+template <typename T, int TEAM, bool CODED>
 __device__ void block_iterations(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query,
-                                 Scalars& s, float* list_d, uint32_t* list_i, float* res_d, uint32_t* res_i,
+                                 const CodeQuery& cq, Scalars& s, float* list_d, uint32_t* list_i, float* res_d, uint32_t* res_i,
                                  float* cand_d, uint32_t* cand_i, uint32_t* table) {
   const int tid = threadIdx.x, lane = tid % kWarpSize;
   const int hash_size = 1 << a.hash_bits, half_table = hash_size / 2;
@@ -267,7 +348,7 @@ __device__ void block_iterations(const SearchArgs& a, const T* __restrict__ x, c
       }
     }
     __syncthreads();
-    evaluate_and_merge<T, TEAM>(a, x, query, s, list_d, list_i, res_d, res_i, cand_d, cand_i);
+    evaluate_and_merge<T, TEAM, CODED>(a, x, query, cq, s, list_d, list_i, res_d, res_i, cand_d, cand_i);
   }
 }
 
@@ -281,9 +362,9 @@ __device__ void block_iterations(const SearchArgs& a, const T* __restrict__ x, c
 // barrier stalls dominate). Same
 // algorithm, same expansions and the same list as block_iterations. Entered after the entry
 // points were merged into list_d/list_i; leaves the final list there, after a __syncthreads.
-template <typename T, int TEAM, int ROWS>
+template <typename T, int TEAM, bool CODED, int ROWS>
 __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query,
-                                Scalars& s, float* list_d, uint32_t* list_i, float* cand_d, uint32_t* cand_i,
+                                const CodeQuery& cq, Scalars& s, float* list_d, uint32_t* list_i, float* cand_d, uint32_t* cand_i,
                                 uint32_t* table) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const int tid = threadIdx.x, lane = tid % kWarpSize;
@@ -367,7 +448,7 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
     __syncthreads();  // candidates published
     if (s.done) break;  // block-uniform
     const int n = s.n_cand;
-    compute_distances<T, TEAM, kWarpLoopChunksInFlight>(a, x, query, n, cand_d, cand_i);
+    compute_distances<T, TEAM, CODED, kWarpLoopChunksInFlight>(a, x, query, cq, n, cand_d, cand_i);
     __syncthreads();  // distances published; no warp reads cand, n_cand or done again before the next barrier
     if (tid < kWarpSize) {
       // Only a candidate before the list's last kept key can enter the list; the others are
@@ -422,15 +503,72 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
   __syncthreads();
 }
 
+// With codes, each block turns its query into the code terms (codes.h) in shared memory: warp 0
+// alone, so that the constant is summed in the order the CPU follows (kCodeConstantLanes).
+// Published by the caller's next __syncthreads.
+template <typename T>
+__device__ void prepare_code_query(const SearchArgs& a, const T* __restrict__ query, Scalars& s, uint8_t* hi,
+                                   uint8_t* lo) {
+  const int lane = threadIdx.x;
+  if (lane >= kWarpSize) return;
+  const float* offset = a.code_grid;
+  const float* step = a.code_grid + a.dim;
+  float largest = 0.0f, constant = 0.0f;
+  for (int d = lane; d < a.dim; d += kWarpSize) {
+    const float q = static_cast<float>(query[d]);
+    largest = fmaxf(largest, fabsf(code_query_term(q, offset[d], step[d], a.metric)));
+    constant = code_constant_step(constant, q, offset[d], a.metric);
+  }
+  largest = team_max<kWarpSize>(largest);
+  constant = team_sum<kWarpSize>(constant);
+  const float scale = code_query_scale(largest);
+  for (int d = lane; d < a.code_dims; d += kWarpSize) {
+    const int level =
+        d < a.dim ? code_query_level(code_query_term(static_cast<float>(query[d]), offset[d], step[d], a.metric), scale)
+                  : 0;
+    hi[d] = static_cast<uint8_t>(static_cast<uint32_t>(level >> 8) & 0xffu);
+    lo[d] = static_cast<uint8_t>(static_cast<uint32_t>(level) & 0xffu);
+  }
+  if (lane == 0) {
+    s.code_scale = scale;
+    s.code_bias = code_bias(constant, a.metric);
+  }
+}
+
+// The re-rank of a coded search: the exact distances of the `count` entries of the final list,
+// sorted. The ids are only read (the sort and the output mask the expanded flag), so no lane
+// writes what its team's other lanes read. Entered and left after a __syncthreads.
+template <typename T, int TEAM>
+__device__ void rerank(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query, float* best_d,
+                       uint32_t* best_i, int count, int cap) {
+  const int tid = threadIdx.x;
+  const int teams = blockDim.x / TEAM, team = tid / TEAM, rank = tid % TEAM;
+  const int warp_first_team = (tid / kWarpSize) * (kWarpSize / TEAM);
+  for (int base = 0; base < count; base += teams) {
+    if (base + warp_first_team >= count) continue;  // warp-uniform
+    const int c = base + team;
+    const uint32_t u = c < count ? best_i[c] & kIdMask : kEmptyId;
+    const bool valid = u != kEmptyId;
+    const float dist = exact_distance<T, TEAM, kWarpLoopChunksInFlight>(a, x, query, u, valid, rank);
+    if (c < count && rank == 0) best_d[c] = valid ? dist : std::numeric_limits<float>::infinity();
+  }
+  __syncthreads();
+  bitonic<false>(best_d, best_i, cap);
+}
+
 // One search per block. ROWS > 0: the list lives in warp 0's registers (warp_iterations, ROWS
-// rows of 32 keys); 0: block_iterations. Each variant is a kernel of its own (below), so that
-// each is compiled for the registers it needs.
-template <typename T, int TEAM, int ROWS>
+// rows of 32 keys); 0: block_iterations. CODED: the traversal's distances come from the codes
+// and the final list is re-ranked by exact ones. Each variant is a kernel of its own (below), so
+// that each is compiled for the registers it needs.
+template <typename T, int TEAM, bool CODED, int ROWS>
 __device__ __forceinline__ void search_block(const T* __restrict__ x, const T* __restrict__ queries,
                                              const SearchArgs& a) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ Scalars s;
-  float* list_d = reinterpret_cast<float*>(smem);
+  // The code query first: its arrays are multiples of 16 bytes, so the rest stays aligned.
+  uint8_t* code_hi = smem;
+  uint8_t* code_lo = code_hi + (CODED ? a.code_dims : 0);
+  float* list_d = reinterpret_cast<float*>(code_lo + (CODED ? a.code_dims : 0));
   uint32_t* list_i = reinterpret_cast<uint32_t*>(list_d + a.list_cap);
   float* res_d = reinterpret_cast<float*>(list_i + a.list_cap);
   uint32_t* res_i = reinterpret_cast<uint32_t*>(res_d + a.result_cap);
@@ -457,7 +595,9 @@ __device__ __forceinline__ void search_block(const T* __restrict__ x, const T* _
     s.hash_count = 0;
     s.evaluated = 0;
   }
+  if constexpr (CODED) prepare_code_query(a, query, s, code_hi, code_lo);
   __syncthreads();
+  const CodeQuery cq{code_hi, code_lo, CODED ? s.code_scale : 0.0f, CODED ? s.code_bias : 0.0f};
 
   // Entry points: the query's nearest hubs, then the CPU's draws, counter (query, search, e);
   // repeats are dropped by the hash.
@@ -469,16 +609,20 @@ __device__ __forceinline__ void search_block(const T* __restrict__ x, const T* _
     if (hash_insert(table, a.hash_bits, id, &s.hash_count)) cand_i[atomicAdd(&s.n_cand, 1)] = id;
   }
   __syncthreads();
-  evaluate_and_merge<T, TEAM>(a, x, query, s, list_d, list_i, res_d, res_i, cand_d, cand_i);
+  evaluate_and_merge<T, TEAM, CODED>(a, x, query, cq, s, list_d, list_i, res_d, res_i, cand_d, cand_i);
 
   if constexpr (ROWS > 0) {
-    warp_iterations<T, TEAM, ROWS>(a, x, query, s, list_d, list_i, cand_d, cand_i, table);
+    warp_iterations<T, TEAM, CODED, ROWS>(a, x, query, cq, s, list_d, list_i, cand_d, cand_i, table);
   } else {
-    block_iterations<T, TEAM>(a, x, query, s, list_d, list_i, res_d, res_i, cand_d, cand_i, table);
+    block_iterations<T, TEAM, CODED>(a, x, query, cq, s, list_d, list_i, res_d, res_i, cand_d, cand_i, table);
   }
 
-  const float* best_d = a.allowed != nullptr ? res_d : list_d;
-  const uint32_t* best_i = a.allowed != nullptr ? res_i : list_i;
+  float* best_d = a.allowed != nullptr ? res_d : list_d;
+  uint32_t* best_i = a.allowed != nullptr ? res_i : list_i;
+  if constexpr (CODED) {
+    rerank<T, TEAM>(a, x, query, best_d, best_i, a.allowed != nullptr ? a.kept : a.list_size,
+                    a.allowed != nullptr ? a.result_cap : a.list_cap);
+  }
   const int64_t out = static_cast<int64_t>(blockIdx.x) * a.k;
   for (int j = tid; j < a.k; j += blockDim.x) {
     const uint32_t id = best_i[j] & kIdMask;
@@ -490,10 +634,10 @@ __device__ __forceinline__ void search_block(const T* __restrict__ x, const T* _
 }
 
 // The general loop, with the register budget ptxas picks for kMaxThreads (53-64 registers on sm_90).
-template <typename T, int TEAM>
+template <typename T, int TEAM, bool CODED>
 __global__ void __launch_bounds__(kMaxThreads)
     search_kernel(const T* __restrict__ x, const T* __restrict__ queries, const SearchArgs a) {
-  search_block<T, TEAM, 0>(x, queries, a);
+  search_block<T, TEAM, CODED, 0>(x, queries, a);
 }
 
 // The warp loop, bounded to 64 registers (two blocks of kMaxThreads per SM): with
@@ -501,10 +645,10 @@ __global__ void __launch_bounds__(kMaxThreads)
 // resident blocks of a large batch; at 64 it spills a few bytes (ptxas -v, sm_90). The bound is
 // the kernel's own: under it the general loop ran 5% slower at list 256 (467K against 490K q/s,
 // 1M x 384 float16, H200).
-template <typename T, int TEAM, int ROWS>
+template <typename T, int TEAM, bool CODED, int ROWS>
 __global__ void __launch_bounds__(kMaxThreads, 2)
     warp_search_kernel(const T* __restrict__ x, const T* __restrict__ queries, const SearchArgs a) {
-  search_block<T, TEAM, ROWS>(x, queries, a);
+  search_block<T, TEAM, CODED, ROWS>(x, queries, a);
 }
 
 // Merges the `searches` sorted parts of k results of each query (one block per query) into its
@@ -576,7 +720,8 @@ int searches_for_batch(int64_t queries, int sms, int k) {
 }
 
 size_t shared_bytes(const SearchArgs& a, int hash_bits) {
-  return sizeof(float) * 2 * (static_cast<size_t>(a.list_cap) + a.result_cap + a.cand_cap) +
+  return (a.codes != nullptr ? 2 * static_cast<size_t>(a.code_dims) : 0) +
+         sizeof(float) * 2 * (static_cast<size_t>(a.list_cap) + a.result_cap + a.cand_cap) +
          sizeof(uint32_t) * (size_t{1} << hash_bits);
 }
 
@@ -586,11 +731,11 @@ int log2_of(int64_t pow2) {
   return b;
 }
 
-template <typename T, int TEAM>
+template <typename T, int TEAM, bool CODED>
 void launch(const T* x, const at::Tensor& q, const SearchArgs& a, int threads, size_t smem, cudaStream_t stream) {
-  auto kernel = a.warp_rows == 2   ? warp_search_kernel<T, TEAM, 2>
-                : a.warp_rows == 4 ? warp_search_kernel<T, TEAM, 4>
-                                   : search_kernel<T, TEAM>;
+  auto kernel = a.warp_rows == 2   ? warp_search_kernel<T, TEAM, CODED, 2>
+                : a.warp_rows == 4 ? warp_search_kernel<T, TEAM, CODED, 4>
+                                   : search_kernel<T, TEAM, CODED>;
   if (smem + kStaticShared > 48 * 1024) {
     // Above the default 48 KiB (static + dynamic) the kernel must opt in; a host-side
     // attribute, no sync, so it is also allowed while a CUDA graph is being captured.
@@ -663,7 +808,8 @@ class QueryCheck {
 // up the distances each query computed there.
 std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::Tensor& graph,
                                               const at::Tensor& queries, const c10::optional<at::Tensor>& filter,
-                                              const SearchParams& p, const at::Tensor& counts) {
+                                              const SearchCodes& codes, const SearchParams& p,
+                                              const at::Tensor& counts) {
   // The search runs on the queries' GPU; the data rows may also lie in pinned host memory there
   // (check_search_data_device), read by the kernel row by row through unified addressing.
   const c10::cuda::CUDAGuard guard(queries.device());
@@ -695,6 +841,12 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
 
   SearchArgs a{};
   a.graph = g.data_ptr<int32_t>();
+  if (codes.codes.defined()) {
+    a.codes = codes.codes.data_ptr<uint8_t>();
+    a.code_grid = codes.grid.data_ptr<float>();
+    a.code_stride = codes.codes.size(1);
+    a.code_dims = static_cast<int>(code_dims(data.size(1)));
+  }
   a.counts = counts.defined() ? counts.data_ptr<int32_t>() : nullptr;
   a.allowed = filter.has_value() ? allowed.data_ptr<bool>() : nullptr;
   a.seed = p.seed;
@@ -708,7 +860,9 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
                     "than 2^31 searches per call, got ", nq, " * ", a.searches);
   a.list_size = list_per_search(p.list_size, p.k, a.searches);
   a.list_cap = next_pow2(a.list_size);
-  a.result_cap = filter.has_value() ? next_pow2(p.k) : 0;
+  // With codes a filtered search keeps as many allowed entries as the list for the re-rank.
+  a.kept = a.codes != nullptr ? std::max(p.k, a.list_size) : p.k;
+  a.result_cap = filter.has_value() ? next_pow2(a.kept) : 0;
   a.cand_cap = std::max(a.list_cap, next_pow2(static_cast<int>(per_round)));
   a.search_width = p.search_width;
   a.max_iters = p.max_iters;
@@ -729,7 +883,7 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   // argument at the top); 4x that, at least 2048 slots, so resets (which forget visited nodes
   // and cost recomputed distances) stay rare. Falls back to the 2x minimum if shared memory is short.
   const size_t limit = static_cast<size_t>(optin) - kStaticShared;
-  const int64_t must_hold = static_cast<int64_t>(a.list_size) + (filter.has_value() ? p.k : 0) + per_round;
+  const int64_t must_hold = static_cast<int64_t>(a.list_size) + (filter.has_value() ? a.kept : 0) + per_round;
   a.hash_bits = log2_of(std::max<int64_t>(4 * must_hold, 2048));
   if (shared_bytes(a, a.hash_bits) > limit) a.hash_bits = log2_of(2 * must_hold);
   const size_t smem = shared_bytes(a, a.hash_bits);
@@ -747,17 +901,26 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   a.out_ids = part_ids.data_ptr<int64_t>();
 
   const int threads = pick_threads(nq * a.searches, sms, a.list_cap);
-  const int team = team_for_row(static_cast<int64_t>(a.dim) * x.element_size());
+  // The team fits the rows the traversal reads: the codes where there are codes.
+  const int team = team_for_row(a.codes != nullptr ? a.code_dims : static_cast<int64_t>(a.dim) * x.element_size());
   GRNND_DISPATCH_STORAGE(x.scalar_type(), "search_cuda", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "search_cuda: float64 storage should have been narrowed by prepare_vectors");
     } else {
       const auto* x_rows = static_cast<const scalar_t*>(rows);
-      switch (team) {
-        case 4: launch<scalar_t, 4>(x_rows, q, a, threads, smem, stream); break;
-        case 8: launch<scalar_t, 8>(x_rows, q, a, threads, smem, stream); break;
-        case 16: launch<scalar_t, 16>(x_rows, q, a, threads, smem, stream); break;
-        default: launch<scalar_t, 32>(x_rows, q, a, threads, smem, stream); break;
+      const auto launch_for = [&](auto coded) {
+        constexpr bool kCoded = decltype(coded)::value;
+        switch (team) {
+          case 4: launch<scalar_t, 4, kCoded>(x_rows, q, a, threads, smem, stream); break;
+          case 8: launch<scalar_t, 8, kCoded>(x_rows, q, a, threads, smem, stream); break;
+          case 16: launch<scalar_t, 16, kCoded>(x_rows, q, a, threads, smem, stream); break;
+          default: launch<scalar_t, 32, kCoded>(x_rows, q, a, threads, smem, stream); break;
+        }
+      };
+      if (a.codes != nullptr) {
+        launch_for(std::true_type{});
+      } else {
+        launch_for(std::false_type{});
       }
     }
   });
@@ -780,25 +943,30 @@ std::tuple<at::Tensor, at::Tensor> search_cuda(const at::Tensor& data, const at:
                                                const at::Tensor& queries, int64_t k, int64_t list_size,
                                                int64_t search_width, int64_t max_iters, c10::string_view metric,
                                                int64_t seed, const c10::optional<at::Tensor>& filter,
-                                               int64_t searches, int64_t hub_entries) {
+                                               int64_t searches, int64_t hub_entries,
+                                               const c10::optional<at::Tensor>& codes,
+                                               const c10::optional<at::Tensor>& code_grid) {
   check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches, hub_entries);
+  const SearchCodes search_codes = check_search_codes(codes, code_grid, data, queries, p.metric);
   check_search_contents(data, graph, queries);
-  return run_search(data, graph, queries, filter, p, at::Tensor());
+  return run_search(data, graph, queries, filter, search_codes, p, at::Tensor());
 }
 
 at::Tensor search_distance_counts_cuda(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries,
                                        int64_t k, int64_t list_size, int64_t search_width, int64_t max_iters,
                                        c10::string_view metric, int64_t seed,
                                        const c10::optional<at::Tensor>& filter, int64_t searches,
-                                       int64_t hub_entries) {
+                                       int64_t hub_entries, const c10::optional<at::Tensor>& codes,
+                                       const c10::optional<at::Tensor>& code_grid) {
   check_search_inputs(data, graph, queries, k, filter);
   const SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches, hub_entries);
+  const SearchCodes search_codes = check_search_codes(codes, code_grid, data, queries, p.metric);
   check_search_contents(data, graph, queries);
   at::Tensor counts = at::zeros({queries.size(0)}, queries.options().dtype(at::kInt));
-  run_search(data, graph, queries, filter, p, counts);
+  run_search(data, graph, queries, filter, search_codes, p, counts);
   return counts;
 }
 

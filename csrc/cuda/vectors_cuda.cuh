@@ -54,8 +54,8 @@ inline const void* device_address_of_host_rows(const at::Tensor& data) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
 
 // Sum over the TEAM consecutive lanes that share a team; every lane of the team gets the sum.
-template <int TEAM>
-__device__ __forceinline__ float team_sum(float v) {
+template <int TEAM, typename V>
+__device__ __forceinline__ V team_sum(V v) {
 #pragma unroll
   for (int offset = TEAM / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
   return v;

@@ -1,0 +1,237 @@
+"""Searches that walk the graph by 8-bit codes and re-rank by exact distances (csrc/codes.h):
+recall against faiss-cpu, exact returned distances, the CPU and CUDA twins, filters, bad input."""
+import pytest
+import torch
+
+import torch_grnnd as grnnd
+from conftest import clustered, exact_neighbours
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+METRICS = ["l2", "ip", "cosine"]
+
+
+@pytest.fixture(scope="module")
+def sets():
+    """Per metric: 12k x 48 clustered rows (a dimension not a multiple of 16), queries, graph."""
+    data = clustered(12_300, 48, 60, seed=3)
+    base, queries = data[:12_000].contiguous(), data[12_000:].contiguous()
+    return {m: (base, queries, grnnd.build(base, metric=m)) for m in METRICS}
+
+
+def test_encode_layout_and_decoding():
+    x = clustered(500, 20, 5, seed=1)
+    codes = grnnd.encode(x, metric="l2")
+    assert codes.rows.dtype == torch.uint8 and codes.rows.shape == (500, 32 + 16)  # 20 codes padded to 32, norm tail
+    assert codes.grid.shape == (2, 20) and codes.grid.dtype == torch.float32
+    offset, step = codes.grid
+    levels = codes.rows[:, :20].float()
+    decoded = offset + step * levels
+    # Every coordinate decodes to within half a step of the row's own.
+    assert bool(((decoded - x).abs() <= step / 2 + 1e-5).all())
+    assert bool((codes.rows[:, 20:32] == 0).all())  # padding codes are zero
+    norm = codes.rows[:, 32:36].contiguous().view(torch.float32).flatten()
+    torch.testing.assert_close(norm, (levels * step).square().sum(1), rtol=1e-5, atol=1e-5)
+    assert grnnd.encode(x, metric="cosine").rows.shape == (500, 32)  # no norm tail without l2
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_coded_search_recall_and_exact_distances(sets, metric):
+    base, queries, graph = sets[metric]
+    codes = grnnd.encode(base, metric=metric)
+    truth = exact_neighbours(base, queries, 10, metric)[1]
+    full = grnnd.search(base, graph, queries, 10, list_size=64, metric=metric)[1]
+    dists, ids = grnnd.search(base, graph, queries, 10, list_size=64, metric=metric, codes=codes)
+    recall, full_recall = grnnd.recall(ids, truth), grnnd.recall(full, truth)
+    assert recall >= 0.95 and recall >= full_recall - 0.02, (recall, full_recall)
+    # The returned distances are the exact ones of the returned rows, ascending.
+    x, q = base[ids].double(), queries.double().unsqueeze(1)
+    if metric == "cosine":
+        x, q = torch.nn.functional.normalize(x, dim=2), torch.nn.functional.normalize(q, dim=2)
+    want = (x - q).square().sum(2) if metric == "l2" else -(x * q).sum(2) + (1 if metric == "cosine" else 0)
+    torch.testing.assert_close(dists.double(), want, rtol=1e-4, atol=1e-4)
+    assert bool((dists[:, 1:] >= dists[:, :-1]).all())
+
+
+def test_coded_search_with_split_searches_and_filter(sets):
+    base, queries, graph = sets["l2"]
+    codes = grnnd.encode(base)
+    truth = exact_neighbours(base, queries, 10)[1]
+    _, ids = grnnd.search(base, graph, queries, 10, list_size=64, searches=4, codes=codes)
+    assert grnnd.recall(ids, truth) >= 0.95
+    allowed = torch.arange(base.shape[0]) % 3 != 0
+    _, ids = grnnd.search(base, graph, queries, 10, list_size=64, filter=allowed, codes=codes)
+    assert bool(allowed[ids[ids >= 0]].all())
+    allowed_rows = allowed.nonzero().flatten()
+    truth_allowed = allowed_rows[exact_neighbours(base[allowed_rows], queries, 10)[1]]
+    assert grnnd.recall(ids, truth_allowed) >= 0.9
+
+
+def test_coded_distance_counts_are_the_walks(sets):
+    base, queries, graph = sets["l2"]
+    codes = grnnd.encode(base)
+    counts = grnnd.search_distance_counts(base, graph, queries, 10, list_size=64, codes=codes)
+    full = grnnd.search_distance_counts(base, graph, queries, 10, list_size=64)
+    assert counts.shape == full.shape and counts.dtype == torch.int32
+    # The codes walk the same graph with the same budget: the same order of work, not the same count.
+    assert 0.7 < counts.float().mean() / full.float().mean() < 1.3
+
+
+def test_coded_search_refuses_bad_codes(sets):
+    base, queries, graph = sets["l2"]
+    codes = grnnd.encode(base)
+    with pytest.raises(ValueError, match="made for metric 'l2'"):
+        grnnd.search(base, graph, queries, 10, metric="ip", codes=codes)
+    with pytest.raises(TypeError, match="codes: expected torch_grnnd.Codes"):
+        grnnd.search(base, graph, queries, 10, codes=codes.rows)
+    with pytest.raises(ValueError, match="codes and code_grid: expected both or neither"):
+        torch.ops.grnnd.search(base, graph, queries, 10, codes=codes.rows)
+    with pytest.raises(ValueError, match=r"codes: expected shape \[12000, 64\]"):
+        torch.ops.grnnd.search(base, graph, queries, 10, codes=codes.rows[:, :48], code_grid=codes.grid)
+    with pytest.raises(TypeError, match="codes: expected uint8"):
+        torch.ops.grnnd.search(base, graph, queries, 10, codes=codes.rows.float(), code_grid=codes.grid)
+    with pytest.raises(ValueError, match=r"code_grid: expected shape \[2, 48\]"):
+        torch.ops.grnnd.search(base, graph, queries, 10, codes=codes.rows, code_grid=codes.grid[:, :8])
+    with pytest.raises(ValueError, match="codes: expected one of"):
+        grnnd.encode(base, "int3")
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        grnnd.encode(torch.tensor([[0.0, float("nan")]]))
+
+
+def test_coded_search_opcheck(sets):
+    base, queries, graph = sets["l2"]
+    codes = grnnd.encode(base)
+    torch.library.opcheck(torch.ops.grnnd.search.default, (base, graph, queries[:4], 5),
+                          {"codes": codes.rows, "code_grid": codes.grid})
+
+
+@cuda
+@pytest.mark.parametrize("metric", METRICS)
+def test_cuda_twin_walks_like_the_cpu(sets, metric):
+    # Both devices compute the code distances in integers and the same float steps (codes.h),
+    # start from the same entry points and re-rank exactly: the results agree up to ties.
+    base, queries, graph = sets[metric]
+    codes = grnnd.encode(base, metric=metric)
+    d_cpu, i_cpu = grnnd.search(base, graph, queries, 10, list_size=64, searches=1, metric=metric, codes=codes)
+    d_gpu, i_gpu = grnnd.search(base.cuda(), graph.cuda(), queries.cuda(), 10, list_size=64, searches=1,
+                                metric=metric, codes=codes.to("cuda"))
+    same = (i_cpu == i_gpu.cpu()).float().mean().item()
+    assert same >= 0.99, same
+    torch.testing.assert_close(d_gpu.cpu(), d_cpu, rtol=1e-4, atol=1e-4)
+    truth = exact_neighbours(base, queries, 10, metric)[1]
+    assert grnnd.recall(i_gpu.cpu(), truth) >= 0.95
+
+
+@cuda
+def test_cuda_coded_search_small_batches_filter_and_host_rows(sets):
+    base, queries, graph = sets["l2"]
+    half = base.half()
+    codes = grnnd.encode(half, device="cuda")
+    g, q = graph.cuda(), queries.half().cuda()
+    truth = exact_neighbours(half, queries.half(), 10)[1]
+    for batch in (1, 10, 300):  # split searches below a full GPU, one block per query above
+        ids = torch.cat([grnnd.search(half.cuda(), g, q[s:s + batch], 10, list_size=64, codes=codes)[1]
+                         for s in range(0, 300, batch)])
+        assert grnnd.recall(ids.cpu(), truth) >= 0.95, batch
+    allowed = (torch.arange(base.shape[0]) % 2 == 0).cuda()
+    _, ids = grnnd.search(half.cuda(), g, q, 10, list_size=64, filter=allowed, codes=codes)
+    assert bool(allowed[ids[ids >= 0]].all())
+    # Codes on the GPU, rows in pinned host memory: only the final lists' rows cross the bus.
+    pinned = half.pin_memory()
+    d_host, i_host = grnnd.search(pinned, g, q, 10, list_size=64, codes=codes)
+    d_dev, i_dev = grnnd.search(half.cuda(), g, q, 10, list_size=64, codes=codes)
+    assert torch.equal(i_host, i_dev) and torch.equal(d_host, d_dev)
+
+
+@cuda
+def test_cuda_coded_search_is_capturable():
+    base = clustered(20_000, 64, 40, seed=5).cuda()
+    graph = grnnd.build(base)
+    codes = grnnd.encode(base)
+    q = base[:1].clone()
+    eager = grnnd.search(base, graph, q, 10, codes=codes)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        grnnd.search(base, graph, q, 10, codes=codes)  # warm-up outside the capture
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph, stream=stream):
+            captured = grnnd.search(base, graph, q, 10, codes=codes)
+    cuda_graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[1], eager[1]) and torch.equal(captured[0], eager[0])
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _found_at_zero(index, vectors, ids):
+    """Whether each of ``vectors`` is found first, at distance 0, under its id."""
+    d, i = index.search(vectors, 1, list_size=64)
+    return bool((i[:, 0] == ids).all()) and bool((d[:, 0].abs() < 1e-3).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_index_keeps_its_codes_through_edits_and_saves(device, tmp_path):
+    data = clustered(9_000, 40, 30, seed=7).to(device)
+    base, extra, queries = data[:6_000], data[6_000:8_800], data[8_800:]
+    index = grnnd.Index.build(base, codes="int8")
+    assert index.codes is not None and index.codes.rows.shape == (6_000, 48 + 16) and "codes='int8'" in repr(index)
+    truth = exact_neighbours(base, queries, 10)[1]
+    d, i = index.search(queries, 10)
+    assert grnnd.recall(i.cpu(), truth) >= 0.95
+    # Small add (linked by search), then a large one (grown in one build): new rows are coded too.
+    index.add(extra[:200])
+    assert index.codes.rows.shape[0] == 6_200 and _found_at_zero(index, extra[:50], torch.arange(6_000, 6_050,
+                                                                                               device=device))
+    index.add(extra[200:])
+    assert index.codes.rows.shape[0] == 8_800
+    assert torch.equal(index.codes.rows, grnnd.codes.encode_rows(index.data, index.codes.grid, "l2"))
+    # Removed rows are never returned; compaction keeps the codes of the rows it keeps.
+    gone = torch.arange(0, 8_800, 3, device=device)
+    index.remove(gone)
+    _, i = index.search(queries, 10)
+    assert not bool(torch.isin(i, gone).any())
+    index.compact()
+    assert index.codes.rows.shape[0] == index.data.shape[0] == len(index)
+    assert torch.equal(index.codes.rows, grnnd.codes.encode_rows(index.data, index.codes.grid, "l2"))
+    kept = data[:8_800][torch.arange(8_800, device=device) % 3 != 0]
+    assert grnnd.recall(index.search(queries, 10)[1].cpu(),
+                        index.ids[torch.as_tensor(exact_neighbours(index.data, queries, 10)[1]).to(device)].cpu()) \
+        >= 0.95
+    assert kept.shape[0] == len(index)
+    # Saved and restored: the same codes, the same answers.
+    torch.save(index.state_dict(), tmp_path / "index.pt")
+    restored = grnnd.Index.from_state_dict(torch.load(tmp_path / "index.pt", weights_only=True))
+    assert torch.equal(restored.codes.rows, index.codes.rows) and torch.equal(restored.codes.grid, index.codes.grid)
+    assert torch.equal(restored.search(queries, 10)[1], index.search(queries, 10)[1])
+    # Codes dropped and made again.
+    index.encode(None)
+    assert index.codes is None
+    index.encode("int8")
+    assert index.codes.rows.shape[0] == len(index)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merged_indexes_are_coded_on_one_grid(device):
+    data = clustered(8_200, 32, 20, seed=8).to(device)
+    a = grnnd.Index.build(data[:4_000], codes="int8")
+    b = grnnd.Index.build(data[4_000:8_000] * 1.5, codes="int8")  # another range: a's grid would clamp it
+    union = grnnd.merge(a, b)
+    assert union.codes is not None and union.codes.rows.shape[0] == 8_000
+    rows = union.data
+    assert torch.equal(union.codes.grid, grnnd.codes.fit_grid(rows, "l2"))
+    queries = data[8_000:]
+    truth = exact_neighbours(rows, queries, 10)[1]
+    assert grnnd.recall(union.search(queries, 10)[1].cpu(), truth) >= 0.95
+
+
+def test_index_refuses_bad_codes():
+    data = clustered(2_000, 16, 5, seed=9)
+    with pytest.raises(ValueError, match="codes: expected None or one of"):
+        grnnd.Index.build(data, codes="int4")
+    index = grnnd.Index.build(data)
+    with pytest.raises(ValueError, match="codes: expected torch_grnnd.Codes"):
+        grnnd.Index(data, index.graph, "ip", codes=grnnd.encode(data, metric="l2"))
+    state = grnnd.Index.build(data, codes="int8").state_dict()
+    state["codes"]["rows"] = state["codes"]["rows"][:, :8]
+    with pytest.raises(ValueError, match="state: code rows must be uint8"):
+        grnnd.Index.from_state_dict(state)
