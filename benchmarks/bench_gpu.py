@@ -24,11 +24,15 @@ Measures (CUDA events, after a warm-up; extension compile excluded):
   - with --small-batches: wall-clock latency of batches of 1, 10, 100 and 1000 queries, for each
     list size and number of searches per query (--split-searches; 0 = the automatic choice), by
     the rows and by each of --codes.
+With --compare PREVIOUS.json (a run of the same data on the same GPU model), every point more
+than 5% slower at equal recall is listed (a table of the report, REGRESSION lines) and the run
+exits with status 3: run it before and after a change to the build or the search.
 A data path may end in ``:pca=D``: base and queries projected on the base's top D principal
 directions (fitted on a 100k-row sample) and normalised again, a lower-dimensional real set.
 Writes gpu_<data>.{json,md,png} under --out.
 """
 import argparse
+import json
 import os
 import sys
 import time
@@ -37,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.report import machine, write  # noqa: E402
+from benchmarks.report import machine, regression_table, regressions, write  # noqa: E402
 
 
 def cuda_time(fn, repeat: int = 1):
@@ -219,6 +223,8 @@ def main():
     p.add_argument("--split-searches", default="0,1", help="searches per query of --small-batches (0 = auto)")
     p.add_argument("--build", default="", help="build params, e.g. pool_size=64,inner_iters=8")
     p.add_argument("--codes", default="", help="comma-separated code kinds (int8) to search by as well, same graph")
+    p.add_argument("--compare", default="", help="a previous run's JSON (same data, same GPU model): flag every "
+                   "point more than 5%% slower at equal recall, and exit with status 3 if there is one")
     p.add_argument("--sweep", nargs="*", default=[], help="build configurations to compare, each like --build")
     args = p.parse_args()
     device = "cuda"
@@ -296,8 +302,18 @@ def main():
 
     results = {"title": f"GPU build + search, {name}", "data": f"{name} {tuple(base.shape)} {base.dtype}",
                "machine": machine(threads=torch.get_num_threads(), cuda=True), "methods": methods, **extra}
+    found = []
+    if args.compare:
+        with open(args.compare) as f:
+            found = regressions(results, json.load(f))
+        results.setdefault("tables", []).append(regression_table(found, args.compare))
+        for row in found:
+            print(f"REGRESSION {row[0]}: recall@10 {row[1]:.4f}, {row[2]:,.0f} -> {row[3]:,.0f} ({row[4]:.2f}x)")
+        print(f"against {args.compare}: {len(found)} points more than 5% slower at equal recall", flush=True)
     for path in write(args.out, f"gpu_{name}", results):
         print("wrote", path)
+    if found:
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,54 @@ def qps_at_recall(curve: list, target: float) -> float:
     return best
 
 
+# A point slower than this share below the previous run's speed at the same recall is a regression.
+REGRESSION_TOLERANCE = 0.05
+
+
+def regressions(current: dict, previous: dict, tolerance: float = REGRESSION_TOLERANCE) -> list:
+    """The points of ``current`` slower than ``previous`` at equal recall by more than ``tolerance``:
+    each curve point against the previous curve of the method of the same name at that point's
+    recall (``qps_at_recall``: interpolated, or a faster point of higher recall), and each row of
+    the small-batch tables against the row of the same codes, batch, list and searches whose recall
+    was no higher (by 0.002). Both runs must be on one GPU model (else ValueError). Returns rows
+    [what, recall, previous, now, now / previous]."""
+    gpus = current["machine"].get("gpu"), previous["machine"].get("gpu")
+    if gpus[0] != gpus[1]:
+        raise ValueError(f"compare runs of one GPU model: the previous run was on {gpus[1]}, this one on {gpus[0]}")
+    found = []
+    before = {m["name"]: m["curve"] for m in previous.get("methods", [])}
+    for method in current.get("methods", []):
+        for point in method["curve"] if method["name"] in before else []:
+            then = qps_at_recall(before[method["name"]], point["recall"])
+            if then == then and point["qps"] < (1 - tolerance) * then:
+                found.append([f"{method['name']} {point['param']}", point["recall"], then, point["qps"],
+                              point["qps"] / then])
+    key_columns = ("codes", "batch", "list", "searches")
+    for table in current.get("tables", []):
+        if "ms per call" not in table["columns"]:
+            continue
+        keyed = {}
+        for old in previous.get("tables", []):
+            if old["columns"] == table["columns"]:
+                keyed.update({tuple(r[old["columns"].index(c)] for c in key_columns if c in old["columns"]): r
+                              for r in old["rows"]})
+        ms, recall = table["columns"].index("ms per call"), table["columns"].index("recall@10")
+        for row in table["rows"]:
+            old = keyed.get(tuple(row[table["columns"].index(c)] for c in key_columns if c in table["columns"]))
+            if old is not None and row[recall] <= old[recall] + 0.002 and row[ms] > old[ms] / (1 - tolerance):
+                what = ", ".join(f"{c} {row[table['columns'].index(c)]}" for c in key_columns if c in table["columns"])
+                found.append([f"small batch: {what}", row[recall], 1000 / old[ms], 1000 / row[ms], old[ms] / row[ms]])
+    return found
+
+
+def regression_table(found: list, previous_path: str) -> dict:
+    """``regressions``' rows as a table of the report."""
+    return {"title": f"Against {previous_path} (same GPU model): points more than {REGRESSION_TOLERANCE:.0%} slower at "
+                     f"equal recall ({len(found)}; calls/s for small batches):",
+            "columns": ["point", "recall@10", "previous q/s", "now q/s", "now / previous"],
+            "rows": found or [["none", "", "", "", ""]]}
+
+
 def _cell(v) -> str:
     if isinstance(v, float):
         return f"{v:,.0f}" if v >= 1000 else f"{v:.4g}"
