@@ -1,11 +1,12 @@
 """A searchable index: the vectors, their GRNND graph, and how they were built."""
 import dataclasses
+import os
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from . import editing, merging, ops
+from . import editing, merging, ops, saving
 from .codes import CODE_KINDS, Codes, check_grid, code_row_bytes, encode, encode_rows
 from .params import MAX_LIST_SIZE, BuildParams, SearchParams
 from .progress import Progress
@@ -446,6 +447,27 @@ class Index:
             raise ValueError(f"state: capacity must be a non-negative int, got {capacity!r}")
         index.reserve(capacity)
         return index
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Write the index (its :meth:`state_dict`) to ``path`` so that no crash leaves the file
+        half-written: a temporary file beside it, flushed to disk, then renamed over it
+        (:mod:`torch_grnnd.saving`). The file records a format version and a checksum of every
+        tensor."""
+        saving.save_state(self.state_dict(), path)
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike], *, device: Optional[Union[str, torch.device]] = None,
+             verify: bool = True) -> "Index":
+        """The index :meth:`save` wrote to ``path``, its tensors mapped from the file (or copied to
+        ``device``). ``verify`` (the default) checks every tensor's checksum, reading the whole
+        file once; ``verify=False`` skips that, so a search reads only what it touches. A file
+        that is truncated, corrupted, of a newer format or not an index raises ValueError naming
+        it."""
+        state = saving.load_state(path, verify=verify)
+        # No room reserved past the rows: that would copy them out of the mapping; the first add
+        # makes room instead.
+        index = cls.from_state_dict({key: value for key, value in state.items() if key != "capacity"})
+        return index if device is None else index.to(device)
 
     def __repr__(self) -> str:
         codes = "" if self.codes is None else f", codes={self.codes.kind!r}"
