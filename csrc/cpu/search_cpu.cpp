@@ -5,6 +5,8 @@
 // after `max_iters` iterations. Entry points are the query's nearest hubs (hubs.h) and random
 // rows (seeded per query), so disconnected parts of a graph are still reachable. A query
 // answered by several searches (params.h) runs them one after another and merges their results.
+// With codes (codes.h) the walk ranks by code distances and each search's final list is then
+// re-ranked by exact distances to the rows.
 #include <algorithm>
 #include <array>
 #include <cmath>
