@@ -33,7 +33,7 @@ def code_row_bytes(dim: int, metric: str) -> int:
     return code_dims(dim) + (16 if metric == "l2" else 0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors have no truth value to compare by
 class Codes:
     """The codes of an index's rows and the grid they were made on.
 
