@@ -1,7 +1,10 @@
 """A searchable index: the vectors, their GRNND graph, and how they were built."""
+import contextlib
 import dataclasses
+import functools
 import os
-from typing import Any, Dict, Optional, Tuple, Union
+import threading
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -38,6 +41,67 @@ LARGE_ADD_SHARE = 0.25
 EXACT_BATCH_ROWS = 1 << 17
 
 
+class _SharedLock:
+    """Held shared by any number of readers or exclusively by one writer; a waiting writer goes
+    before readers that arrive after it (a stream of searches cannot starve an edit), and a
+    thread may take it shared again while it holds it (either way)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._readers: Dict[int, int] = {}  # thread -> times it holds the lock shared
+        self._writer: Optional[int] = None
+        self._writers_waiting = 0
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._changed:
+            if me not in self._readers and self._writer != me:
+                self._changed.wait_for(lambda: self._writer is None and not self._writers_waiting)
+            self._readers[me] = self._readers.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._readers[me] -= 1
+                if not self._readers[me]:
+                    del self._readers[me]
+                self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._changed:
+            self._writers_waiting += 1
+            self._changed.wait_for(lambda: self._writer is None and all(t == me for t in self._readers))
+            self._writers_waiting -= 1
+            self._writer = me
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._writer = None
+                self._changed.notify_all()
+
+
+def _reads(method):
+    """The method reads the index: it runs beside other reads, never during an edit's publication."""
+    @functools.wraps(method)
+    def holding_shared(self, *args, **kwargs):
+        with self._access.shared():
+            return method(self, *args, **kwargs)
+    return holding_shared
+
+
+def _edits(method):
+    """The method edits the index: edits run one at a time (Index._publish makes each visible)."""
+    @functools.wraps(method)
+    def one_at_a_time(self, *args, **kwargs):
+        with self._editing:
+            return method(self, *args, **kwargs)
+    return one_at_a_time
+
+
 class Index:
     """Vectors plus their GRNND graph, searchable in batches.
 
@@ -50,6 +114,13 @@ class Index:
     then by ids that keep those numbers (``next_id``: the number the next vector added without
     an id gets, past every number the index has given or been given), so an id found once keeps
     naming the same vector and is never given to another.
+
+    Threads may share an index: searches (and the other reads) run side by side, and each sees
+    the index as it was before an edit or after it, never part-way; edits (``add``, ``remove``,
+    ``compact``, ``reserve``, ``encode``) run one at a time and do their work without holding
+    searches back, which wait only while an edit makes its result visible (on a GPU that step
+    also waits for the work already queued on the device). ``version`` counts the edits made
+    visible.
 
     Example:
         >>> import torch, torch_grnnd as grnnd
@@ -87,6 +158,40 @@ class Index:
         # Storage with room for more rows (reserve, add): data, graph and code rows (None without
         # codes) are its first rows.
         self._store: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None
+        self.version = 0
+        self._make_locks()
+
+    def _make_locks(self) -> None:
+        # Reads hold _access shared; an edit holds _editing throughout (edits run one at a time)
+        # and _access exclusively only to make its result visible (_publish).
+        self._access = _SharedLock()
+        self._editing = threading.RLock()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_access"], state["_editing"]
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._make_locks()
+
+    def _publish(self, write_in_place: Optional[Callable[[], None]] = None, **fields: Any) -> None:
+        """Make an edit visible: with no read under way, ``write_in_place`` (writes to storage that
+        a search of the current state reads) and the new values of ``fields``. On a GPU the
+        device is synchronised around those writes, so that searches queued there before (on any
+        stream) read the old rows and searches queued after read the new ones."""
+        with self._access.exclusive():
+            if write_in_place is not None:
+                on_gpu = self.graph.device.type == "cuda"
+                if on_gpu:
+                    torch.cuda.synchronize(self.graph.device)
+                write_in_place()
+                if on_gpu:
+                    torch.cuda.synchronize(self.graph.device)
+            for name, value in fields.items():
+                setattr(self, name, value)
+            self.version += 1
 
     @classmethod
     def build(cls, data: Tensor, params: Optional[BuildParams] = None, *, metric: ops.Metric = "l2",
@@ -114,15 +219,17 @@ class Index:
         coded = None if codes is None else encode(data, codes, metric=metric, device=graph.device)
         return cls(data, graph, metric, params, ids=ids, codes=coded)
 
+    @_edits
     def encode(self, codes: Optional[str] = "int8") -> None:
         """Keep codes of the rows for searches to walk by (as ``Index.build(codes=...)``), made
         afresh on a grid fitted to the rows held; None drops them. Codes follow the graph's
         device."""
         if codes is not None and codes not in CODE_KINDS:
             raise ValueError(f"codes: expected None or one of {CODE_KINDS}, got {codes!r}")
-        self.codes = None if codes is None else encode(self.data, codes, metric=self.metric, device=self.graph.device)
-        self._store = None
+        coded = None if codes is None else encode(self.data, codes, metric=self.metric, device=self.graph.device)
+        self._publish(codes=coded, _store=None)
 
+    @_reads
     def search(self, queries: Tensor, k: Optional[int] = None, *, params: Optional[SearchParams] = None,
                **settings: Any) -> Tuple[Tensor, Tensor]:
         """``(dists, ids)`` of the k nearest live vectors of each query, as user ids where the
@@ -158,6 +265,7 @@ class Index:
         dists, ids = ops._query_outputs(self.data, queries, params.k, self.graph)  # the search's device checks
         return dists.fill_(float("inf")), ids.fill_(-1)
 
+    @_edits
     def add(self, vectors: Tensor, ids: Optional[Tensor] = None, *, progress: Progress = False) -> None:
         """Add ``vectors`` [B, D] (same dtype and device as the index) as new vertices of the
         graph, without a rebuild: each finds its candidates by a search of the graph and among
@@ -209,12 +317,14 @@ class Index:
         new_rows, changed, changed_rows = editing.link_new_rows(
             store_data[:n + b], self.metric, self.graph, torch.cat([found, among], dim=1),
             self.build_params.reverse_ratio)
-        store_graph[n:n + b] = new_rows
-        store_graph[changed] = changed_rows
-        self._store = store_data, store_graph, store_codes
-        self.data, self.graph, self.ids, self.removed = store_data[:n + b], store_graph[:n + b], new_ids, removed
-        self.next_id = next_id
-        self.codes = self._codes_of(store_codes, n + b)
+        store_graph[n:n + b] = new_rows  # rows no search reads yet
+
+        def link_back() -> None:  # the rows that take a new row in: rows searches read
+            store_graph[changed] = changed_rows
+
+        self._publish(link_back, _store=(store_data, store_graph, store_codes), data=store_data[:n + b],
+                      graph=store_graph[:n + b], ids=new_ids, removed=removed, next_id=next_id,
+                      codes=self._codes_of(store_codes, n + b))
 
     def _encode_new_rows(self, store_codes: Optional[Tensor], vectors: Tensor) -> None:
         """Code an add's ``vectors`` on the index's grid into the storage rows after its own
@@ -285,23 +395,28 @@ class Index:
         init = torch.cat([self.graph, self.graph.new_full((b, self.graph.shape[1]), -1)])
         graph = ops.build(store_data[:n + b], self.build_params, metric=self.metric, progress=progress, init=init,
                           init_split=n, init_mode="grow")
+        write_in_place = None
         if graph.shape == store_graph[:n + b].shape:  # else a graph not of the build's width (Index(data, graph))
-            store_graph[:n + b] = graph
-            graph = store_graph[:n + b]
-        self._store = store_data, store_graph, store_codes
-        self.data, self.graph, self.ids, self.removed, self.next_id = store_data[:n + b], graph, ids, removed, next_id
-        self.codes = self._codes_of(store_codes, n + b)
+            grown = graph
 
+            def write_in_place() -> None:  # over the rows searches read
+                store_graph[:n + b] = grown
+
+            graph = store_graph[:n + b]
+        self._publish(write_in_place, _store=(store_data, store_graph, store_codes), data=store_data[:n + b],
+                      graph=graph, ids=ids, removed=removed, next_id=next_id, codes=self._codes_of(store_codes, n + b))
+
+    @_edits
     def reserve(self, capacity: int) -> None:
         """Make room for ``capacity`` rows in all, so that adds up to that many copy none of the
         rows already held. ``add`` grows the room by half when a batch does not fit."""
         n = self.data.shape[0]
         if capacity > self.capacity:
-            self._store = self._grown(capacity)
-            self.data, self.graph = self._store[0][:n], self._store[1][:n]
-            self.codes = self._codes_of(self._store[2], n)
+            store = self._grown(capacity)
+            self._publish(_store=store, data=store[0][:n], graph=store[1][:n], codes=self._codes_of(store[2], n))
 
     @property
+    @_reads
     def capacity(self) -> int:
         """Rows the index holds or has room for without copying its storage."""
         if self._store is None or not self._stored(self.data, self._store[0]) \
@@ -337,6 +452,7 @@ class Index:
             codes[:n] = self.codes.rows
         return data, graph, codes
 
+    @_edits
     def remove(self, ids: Tensor) -> None:
         """Hide the vectors with these ids (user ids, or row numbers without them) from every
         later search. Unknown, repeated or already removed ids raise and change nothing."""
@@ -349,8 +465,9 @@ class Index:
             again = ids.reshape(-1)[removed[rows].to(ids.device)][:5].tolist()
             raise ValueError(f"ids: already removed: {again}")
         removed[rows] = True
-        self.removed = removed
+        self._publish(removed=removed)
 
+    @_edits
     def compact(self) -> None:
         """Drop the removed vectors for good: rows that pointed at them are pruned again from
         their other neighbours and the removed vectors' neighbours, the rest are renumbered.
@@ -362,10 +479,10 @@ class Index:
         kept, graph = editing.consolidate(self.data, self.metric, self.graph, self.removed)
         ids, next_id = self._numbers()
         codes = None if self.codes is None else self.codes.select(kept)
-        self.data, self.graph, self.ids, self.removed, self.next_id = self.data[kept], graph, ids[kept], None, next_id
-        self.codes = codes
-        self._store = None
+        self._publish(data=self.data[kept], graph=graph, ids=ids[kept], removed=None, next_id=next_id, codes=codes,
+                      _store=None)
 
+    @_reads
     def rows_of(self, ids: Tensor) -> Tensor:
         """Row numbers (int64 [len(ids)], on the index's device) of these ids; raises on unknown ids."""
         if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
@@ -391,6 +508,7 @@ class Index:
             raise ValueError(f"ids: not in the index: {wanted[unknown][:5].tolist()}")
         return rows
 
+    @_reads
     def __len__(self) -> int:
         """The live vectors (removed ones not counted)."""
         n = self.data.shape[0]
@@ -404,6 +522,7 @@ class Index:
     def device(self) -> torch.device:
         return self.data.device
 
+    @_reads
     def to(self, device: torch.device | str) -> "Index":
         """The same index with its tensors on ``device``."""
         move = (lambda t: None if t is None else t.to(device))  # noqa: E731
@@ -411,6 +530,7 @@ class Index:
                      ids=move(self.ids), removed=move(self.removed), next_id=self.next_id,
                      codes=None if self.codes is None else self.codes.to(device))
 
+    @_reads
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to restore the index, as tensors, strings and numbers."""
         # Rows held, not the room reserved past them (torch.save writes a view's whole storage).
@@ -569,6 +689,11 @@ def merge(a: Index, b: Index, *, progress: Progress = False, **settings: Any) ->
     rows."""
     if not isinstance(a, Index) or not isinstance(b, Index):
         raise TypeError(f"merge: expected two Index objects, got {type(a).__name__} and {type(b).__name__}")
+    with a._access.shared(), b._access.shared():  # both as they are, edits to them wait
+        return _merged(a, b, progress, settings)
+
+
+def _merged(a: Index, b: Index, progress: Progress, settings: Dict[str, Any]) -> Index:
     if a.metric != b.metric:
         raise ValueError(f"merge: the indexes use different metrics ({a.metric!r} and {b.metric!r})")
     if a.dim != b.dim or a.data.dtype != b.data.dtype or a.device != b.device:

@@ -1,0 +1,118 @@
+"""An Index shared by threads: searches running while another thread adds, removes and compacts
+answer as of one state the edits passed through (checked against a model of the index's
+contents), and never raise because of the edits."""
+import threading
+import time
+
+import pytest
+import torch
+
+import torch_grnnd as grnnd
+from conftest import clustered, exact_neighbours
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def run_stress(device: str, edits: int = 36, searchers: int = 3, seconds: float = 60.0):
+    g = torch.Generator().manual_seed(21)
+    vectors = clustered(14_000, 32, 40, seed=21).to(device)  # every vector ever added; id = its row here
+    start = 6_000
+    index = grnnd.Index.build(vectors[:start], ids=torch.arange(start, device=device))
+    live = set(range(start))
+    states = {index.version: frozenset(live)}  # the live ids of each version the edits made visible
+    queries = (vectors[torch.randint(0, 14_000, (32,), generator=g).to(device)]
+               + 0.1 * torch.randn(32, 32, generator=g).to(device))
+    results, errors = [], []
+    stop = threading.Event()
+
+    def search_until_stopped():
+        try:
+            while not stop.is_set():
+                before = index.version
+                dists, ids = index.search(queries, 10, list_size=32)
+                results.append((before, index.version, dists.cpu(), ids.cpu()))
+        except Exception as error:  # noqa: BLE001 - any error fails the test below
+            errors.append(error)
+
+    threads = [threading.Thread(target=search_until_stopped) for _ in range(searchers)]
+    for t in threads:
+        t.start()
+    next_id = start
+    deadline = time.monotonic() + seconds
+    try:
+        for step in range(edits):
+            if time.monotonic() > deadline:
+                break
+            if step % 6 == 5:
+                index.compact()
+            elif step % 3 == 2:
+                gone = torch.tensor(sorted(live), device=device)[torch.randperm(len(live), generator=g)[:150]
+                                                               .to(device)]
+                index.remove(gone)
+                live -= set(gone.tolist())
+            else:
+                batch = 1_600 if step in (1, 19) else 150  # a quarter of the index grows it in one build
+                index.add(vectors[next_id:next_id + batch], ids=torch.arange(next_id, next_id + batch, device=device))
+                live |= set(range(next_id, next_id + batch))
+                next_id += batch
+            states[index.version] = frozenset(live)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    return index, vectors, queries, states, results, errors, live
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_searches_during_edits_see_one_state(device):
+    index, vectors, queries, states, results, errors, live = run_stress(device)
+    assert errors == []
+    assert len(results) >= 30 and len(states) >= 10
+    overlapped = 0
+    for before, after, dists, ids in results:
+        found = set(ids[ids >= 0].tolist())
+        # Every id of the batch is live in one version the search could have seen.
+        assert any(found <= states[v] for v in range(before, after + 1)), (before, after)
+        overlapped += after > before
+        # Each id is the vector it names: distances are those of the query to that vector.
+        rows = ids.clamp_min(0)
+        want = (vectors.cpu()[rows] - queries.cpu().unsqueeze(1)).square().sum(2)
+        torch.testing.assert_close(torch.where(ids >= 0, dists, want), want, rtol=1e-4, atol=1e-3)
+    assert overlapped > 0  # some searches did run across an edit
+    # And the index the edits left finds what it holds.
+    kept = torch.tensor(sorted(live))
+    truth = kept[exact_neighbours(vectors.cpu()[kept], queries.cpu(), 10)[1]]
+    assert grnnd.recall(index.search(queries, 10, list_size=64)[1].cpu(), truth) >= 0.9
+    assert len(index) == len(live)
+
+
+def test_a_waiting_edit_goes_before_later_searches():
+    # The shared lock prefers a waiting writer: readers that arrive after it wait for it.
+    from torch_grnnd.index import _SharedLock
+
+    lock, order = _SharedLock(), []
+    first_reader_in, writer_waiting = threading.Event(), threading.Event()
+
+    def reader(name, hold):
+        with lock.shared():
+            first_reader_in.set()
+            order.append(name)
+            time.sleep(hold)
+
+    def writer():
+        writer_waiting.set()
+        with lock.exclusive():
+            order.append("writer")
+
+    early = threading.Thread(target=reader, args=("early", 0.3))
+    early.start()
+    first_reader_in.wait()
+    w = threading.Thread(target=writer)
+    w.start()
+    writer_waiting.wait()
+    time.sleep(0.05)
+    late = threading.Thread(target=reader, args=("late", 0.0))
+    late.start()
+    for t in (early, w, late):
+        t.join()
+    assert order == ["early", "writer", "late"]
