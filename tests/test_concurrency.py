@@ -116,3 +116,15 @@ def test_a_waiting_edit_goes_before_later_searches():
     for t in (early, w, late):
         t.join()
     assert order == ["early", "writer", "late"]
+
+
+def test_an_index_pickles_without_its_locks():
+    import pickle
+
+    data = clustered(3_000, 16, 10, seed=22)
+    index = grnnd.Index.build(data)
+    index.search(data[:4], 5)  # the locks exist now
+    copy = pickle.loads(pickle.dumps(index))
+    assert torch.equal(copy.search(data[:4], 5)[1], index.search(data[:4], 5)[1])
+    copy.add(data[:10] + 1)  # and the copy makes locks of its own
+    assert len(copy) == 3_010 and len(index) == 3_000

@@ -84,11 +84,29 @@ class _SharedLock:
                 self._changed.notify_all()
 
 
+_MAKING_LOCKS = threading.Lock()
+
+
+def _locks(index: "Index") -> Tuple[_SharedLock, threading.RLock]:
+    """The index's locks, made on first use: reads hold the first shared; an edit holds the second
+    throughout (edits run one at a time) and the first exclusively only to make its result
+    visible (Index._publish). Made here rather than in __init__, which torch.compile traces where
+    a model wraps its buffers in an Index (nn.Retriever)."""
+    locks = index.__dict__.get("_locks")
+    if locks is None:
+        with _MAKING_LOCKS:
+            locks = index.__dict__.setdefault("_locks", (_SharedLock(), threading.RLock()))
+    return locks
+
+
 def _reads(method):
-    """The method reads the index: it runs beside other reads, never during an edit's publication."""
+    """The method reads the index: it runs beside other reads, never during an edit's publication.
+    Inside torch.compile no lock is taken (a compiled graph cannot hold one)."""
     @functools.wraps(method)
     def holding_shared(self, *args, **kwargs):
-        with self._access.shared():
+        if torch.compiler.is_compiling():
+            return method(self, *args, **kwargs)
+        with _locks(self)[0].shared():
             return method(self, *args, **kwargs)
     return holding_shared
 
@@ -97,7 +115,7 @@ def _edits(method):
     """The method edits the index: edits run one at a time (Index._publish makes each visible)."""
     @functools.wraps(method)
     def one_at_a_time(self, *args, **kwargs):
-        with self._editing:
+        with _locks(self)[1]:
             return method(self, *args, **kwargs)
     return one_at_a_time
 
@@ -158,30 +176,17 @@ class Index:
         # Storage with room for more rows (reserve, add): data, graph and code rows (None without
         # codes) are its first rows.
         self._store: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None
-        self.version = 0
-        self._make_locks()
-
-    def _make_locks(self) -> None:
-        # Reads hold _access shared; an edit holds _editing throughout (edits run one at a time)
-        # and _access exclusively only to make its result visible (_publish).
-        self._access = _SharedLock()
-        self._editing = threading.RLock()
+        self.version = 0  # edits made visible (_publish)
 
     def __getstate__(self) -> Dict[str, Any]:
-        state = dict(self.__dict__)
-        del state["_access"], state["_editing"]
-        return state
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._make_locks()
+        return {key: value for key, value in self.__dict__.items() if key != "_locks"}  # locks are the process's
 
     def _publish(self, write_in_place: Optional[Callable[[], None]] = None, **fields: Any) -> None:
         """Make an edit visible: with no read under way, ``write_in_place`` (writes to storage that
         a search of the current state reads) and the new values of ``fields``. On a GPU the
         device is synchronised around those writes, so that searches queued there before (on any
         stream) read the old rows and searches queued after read the new ones."""
-        with self._access.exclusive():
+        with _locks(self)[0].exclusive():
             if write_in_place is not None:
                 on_gpu = self.graph.device.type == "cuda"
                 if on_gpu:
@@ -689,7 +694,7 @@ def merge(a: Index, b: Index, *, progress: Progress = False, **settings: Any) ->
     rows."""
     if not isinstance(a, Index) or not isinstance(b, Index):
         raise TypeError(f"merge: expected two Index objects, got {type(a).__name__} and {type(b).__name__}")
-    with a._access.shared(), b._access.shared():  # both as they are, edits to them wait
+    with _locks(a)[0].shared(), _locks(b)[0].shared():  # both as they are, edits to them wait
         return _merged(a, b, progress, settings)
 
 
