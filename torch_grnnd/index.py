@@ -112,9 +112,12 @@ def _reads(method):
 
 
 def _edits(method):
-    """The method edits the index: edits run one at a time (Index._publish makes each visible)."""
+    """The method edits the index: edits run one at a time (Index._publish makes each visible).
+    Inside torch.compile no lock is taken, as for reads."""
     @functools.wraps(method)
     def one_at_a_time(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return method(self, *args, **kwargs)
         with _locks(self)[1]:
             return method(self, *args, **kwargs)
     return one_at_a_time
@@ -186,9 +189,10 @@ class Index:
         a search of the current state reads) and the new values of ``fields``. On a GPU the
         device is synchronised around those writes, so that searches queued there before (on any
         stream) read the old rows and searches queued after read the new ones."""
-        with _locks(self)[0].exclusive():
+        compiling = torch.compiler.is_compiling()
+        with contextlib.nullcontext() if compiling else _locks(self)[0].exclusive():
             if write_in_place is not None:
-                on_gpu = self.graph.device.type == "cuda"
+                on_gpu = self.graph.device.type == "cuda" and not compiling
                 if on_gpu:
                     torch.cuda.synchronize(self.graph.device)
                 write_in_place()
