@@ -110,7 +110,8 @@ def test_a_waiting_edit_goes_before_later_searches():
     w = threading.Thread(target=writer)
     w.start()
     writer_waiting.wait()
-    time.sleep(0.05)
+    while lock._writers_waiting == 0:  # the writer is queued behind the early reader
+        time.sleep(0.001)
     late = threading.Thread(target=reader, args=("late", 0.0))
     late.start()
     for t in (early, w, late):
