@@ -38,18 +38,19 @@ TORCH_LIBRARY(grnnd, m) {
   // Batched greedy graph search; list_size=0 means max(k, 64). No argument is keyword-only:
   // torch.library.register_autograd (torch_grnnd/autograd.py) rejects keyword-only tensors
   // such as `filter`; the Python wrapper keeps them keyword-only for callers.
-  // searches=0: the backend decides how many independent searches answer each query (params.h).
+  // searches=0: the backend decides how many independent searches answer each query (params.h);
+  // search_width=0: likewise how many parents each iteration expands (resolve_search_width).
   // codes, code_grid: the rows' 8-bit codes (codes.h; torch_grnnd.encode): the traversal computes
   // its distances from them and the final list is re-ranked by exact distances to the rows.
   m.def(
-      "search(Tensor data, Tensor graph, Tensor queries, int k, int list_size=0, int search_width=1, "
+      "search(Tensor data, Tensor graph, Tensor queries, int k, int list_size=0, int search_width=0, "
       "int max_iters=0, str metric=\"l2\", int seed=0, Tensor? filter=None, int searches=0, int hub_entries=-1, "
       "Tensor? codes=None, Tensor? code_grid=None) -> (Tensor, Tensor)");
   // The same search, returning how many distances each query computed (int32 [Q]) instead of
   // its results: the work behind a recall/throughput point, for benchmarks.
   m.def(
       "search_distance_counts(Tensor data, Tensor graph, Tensor queries, int k, int list_size=0, "
-      "int search_width=1, int max_iters=0, str metric=\"l2\", int seed=0, Tensor? filter=None, "
+      "int search_width=0, int max_iters=0, str metric=\"l2\", int seed=0, Tensor? filter=None, "
       "int searches=0, int hub_entries=-1, Tensor? codes=None, Tensor? code_grid=None) -> Tensor");
   // Exact k nearest neighbours.
   m.def("knn(Tensor data, Tensor queries, int k, *, str metric=\"l2\") -> (Tensor, Tensor)");

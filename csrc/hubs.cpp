@@ -18,9 +18,7 @@ int64_t hub_count(int64_t n) {
 at::Tensor hub_ids(int64_t n, const at::TensorOptions& options) {
   const int64_t count = hub_count(n);
   const at::Tensor j = at::arange(count, options.dtype(at::kLong));
-  // Stratum j is rows [j n / count, (j + 1) n / count); the hub sits at a hashed offset in it
-  // (Knuth's multiplicative hash, kept below 2^63 since j < 2^17), so strata of a sorted data
-  // set do not all contribute their first row.
+  // hub_row, element-wise (so that it stays capturable in a CUDA graph: no copy from the host).
   const at::Tensor begin = at::floor_divide(j * n, count);
   const at::Tensor length = at::floor_divide((j + 1) * n, count) - begin;
   const at::Tensor hashed = at::remainder(j * int64_t{2654435761}, int64_t{1} << 32);
@@ -136,6 +134,9 @@ at::Tensor hub_entries(const at::Tensor& x, const at::Tensor& queries, Metric me
   const at::Tensor hubs = hub_ids(n, queries.options());
   // Unit rows rank by -<q, hub> under cosine as under inner product.
   const Metric ranking = metric == Metric::kCosine && x_normalised ? Metric::kIP : metric;
+#ifdef GRNND_WITH_CUDA
+  if (direct_hub_entries_apply(x, queries)) return direct_hub_entries_cuda(x, queries, ranking, count);
+#endif
   const at::Tensor nearest = nearest_hubs(queries, hub_rows(x, hubs), count, ranking);
   return hubs.index_select(0, nearest.flatten()).view_as(nearest).to(at::kInt).contiguous();
 }

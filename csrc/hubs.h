@@ -33,7 +33,17 @@ constexpr int64_t kMaxHubs = 100000;
 
 int64_t hub_count(int64_t n);
 
-// The hubs of n rows: int64 [hub_count(n)] ids, increasing, one in each stratum of n / count rows.
+// Hub j of the `count` hubs of n rows: stratum j is rows [j n / count, (j + 1) n / count), and
+// the hub sits at a hashed offset in it (Knuth's multiplicative hash, kept below 2^63 since
+// j < 2^17), so the strata of a sorted data set do not all contribute their first row.
+GRNND_HOST_DEVICE int64_t hub_row(int64_t j, int64_t n, int64_t count) {
+  const int64_t begin = j * n / count, length = (j + 1) * n / count - begin;
+  const int64_t hashed = (j * int64_t{2654435761}) % (int64_t{1} << 32);
+  return begin + hashed % length;
+}
+
+// The hubs of n rows: int64 [hub_count(n)] ids, increasing, one in each stratum of n / count rows
+// (hub_row for every j, as tensor operations on the device of `options`).
 at::Tensor hub_ids(int64_t n, const at::TensorOptions& options);
 
 // For each row of `rows` [m, D], positions (into `hubs` [h, D]) of its k nearest hubs, nearest
@@ -148,6 +158,20 @@ GRNND_HOST_DEVICE int64_t initial_neighbour(const CellView& cells, int64_t v, in
 // whether x's rows are unit length.
 at::Tensor hub_entries(const at::Tensor& x, const at::Tensor& queries, Metric metric, bool x_normalised,
                        int64_t count);
+
+// Entry points of a small batch on CUDA (the search's, hub_entries): one kernel computes each
+// query's distance to every hub straight from the rows (hub_row), a second sorts them per query
+// in shared memory, where the general path takes some twenty tensor operations (the hub ids,
+// their rows and norms, a matrix product, a selection), each a launch and most an allocation;
+// a batch of one query waits on launches, not on arithmetic. For at most kMaxDirectHubPairs
+// (query, hub) pairs, whose distances read each hub row from L2 a few times, and at most
+// kMaxDirectHubs hubs (the sort's 8 bytes a hub of shared memory); a larger batch multiplies on
+// tensor cores. Rows and queries: float32, float16 or bfloat16, 16-byte aligned, on the GPU or
+// (rows only) in pinned host memory.
+constexpr int64_t kMaxDirectHubPairs = int64_t{1} << 18;
+constexpr int64_t kMaxDirectHubs = 16384;
+bool direct_hub_entries_apply(const at::Tensor& x, const at::Tensor& queries);
+at::Tensor direct_hub_entries_cuda(const at::Tensor& x, const at::Tensor& queries, Metric ranking, int64_t count);
 
 // A query's nearest hubs dealt out to its independent searches (params.h) like cards: search s
 // of S gets columns s, s + S, s + 2S, ... of the table, at most per_search of them, so split

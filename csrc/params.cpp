@@ -67,7 +67,8 @@ SearchParams make_search_params(int64_t k, int64_t list_size, int64_t search_wid
   const int64_t list = list_size > 0 ? list_size : std::max<int64_t>(k, 64);
   TORCH_CHECK_VALUE(list <= kMaxListSize, "list_size: expected <= ", kMaxListSize, ", got ", list);
   TORCH_CHECK_VALUE(k <= list, "k: expected <= list_size (", list, "), got ", k);
-  TORCH_CHECK_VALUE(search_width >= 1 && search_width <= 32, "search_width: expected 1..32, got ", search_width);
+  TORCH_CHECK_VALUE(search_width >= 0 && search_width <= 32, "search_width: expected 0 (automatic) .. 32, got ",
+                    search_width);
   TORCH_CHECK_VALUE(max_iters >= 0, "max_iters: expected >= 0, got ", max_iters);
   TORCH_CHECK_VALUE(searches >= 0 && searches <= kMaxSearches, "searches: expected 0 (automatic) .. ",
                     kMaxSearches, ", got ", searches);

@@ -224,7 +224,26 @@ def codes(g: torch.Generator):
         grnnd.search(data.cpu().pin_memory(), graph, data[:3], 10, list_size=48, metric=metric, codes=coded)
 
 
-PARTS = ("basics", "edge_sizes", "hubs_and_repair", "segments", "editing", "out_of_core", "codes")
+def small_batches(g: torch.Generator):
+    """What a batch of a few queries runs: the direct hub distances and their sort (2 100 hubs: a
+    sort of 4 096 keys in several passes; 20 hubs: one warp), then split searches expanding four
+    parents per iteration, by rows and by codes, in the warp loop (degree 16) and the block loop
+    (degree 32). No 16-bit matrix product, so racecheck runs it whole."""
+    wide = torch.randn(2_100_000, 8, generator=g, device="cuda")
+    for dtype, metric in [(torch.float32, "l2"), (torch.bfloat16, "cosine"), (torch.float32, "ip")]:
+        grnnd.diagnostics.nearest_hubs(wide.to(dtype), wide[:3].to(dtype), 70, metric=metric)
+    del wide
+    data = torch.randn(20_000, 32, generator=g, device="cuda")
+    codes = grnnd.encode(data)
+    for degree in (16, 32):
+        graph = grnnd.build(data, degree=degree, pool_size=32, initial_degree=8, outer_iters=1, inner_iters=2)
+        for coded in (None, codes):
+            grnnd.search(data, graph, data[:1], 10, list_size=32, codes=coded)
+            grnnd.search(data, graph, data[:5], 10, list_size=64, codes=coded)
+            grnnd.search_distance_counts(data, graph, data[:2], 10, list_size=16, codes=coded)
+
+
+PARTS = ("basics", "edge_sizes", "hubs_and_repair", "segments", "editing", "out_of_core", "codes", "small_batches")
 
 
 def main(parts=PARTS):

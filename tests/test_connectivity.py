@@ -97,6 +97,39 @@ def test_fused_nearest_hubs_select_as_the_score_matrix_does(metric, dtype):
         assert agree >= 0.999, f"{agree:.4f} of the rows chose as the score matrix does"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the direct hub distances are CUDA kernels")
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_batches_find_the_hubs_a_large_batch_finds(metric, dtype):
+    # A few queries take the direct kernels (csrc/hubs.h, direct_hub_entries_cuda), 600 of them the
+    # matrix product (600 x 2 100 pairs is more than kMaxDirectHubPairs); 2 100 hubs make a sort
+    # of 4 096 keys across more than one pass of the block's threads.
+    g = torch.Generator().manual_seed(8)
+    data = (torch.randn(2_100_000, 16, generator=g) * torch.rand(2_100_000, 1, generator=g)).cuda().to(dtype)
+    queries = torch.randn(600, 16, generator=g).cuda().to(dtype)
+    hubs = grnnd.diagnostics.hubs(data)
+    assert hubs.numel() == 2_100
+    score = hub_scores(data[hubs], queries, metric)
+    exact = score.sort(dim=1).values
+    large = grnnd.diagnostics.nearest_hubs(data, queries, 70, metric=metric)
+    small = torch.cat([grnnd.diagnostics.nearest_hubs(data, queries[s:s + 5], 70, metric=metric)
+                       for s in range(0, 600, 5)])
+    # Queries whose rows are not 16-byte aligned take the matrix product whatever their number.
+    odd = torch.empty(5 * 16 + 1, device="cuda", dtype=dtype)[1:].view(5, 16)
+    odd.copy_(queries[:5])
+    unaligned = grnnd.diagnostics.nearest_hubs(data, odd, 70, metric=metric)
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    for ids, rows in ((large, 600), (small, 600), (unaligned, 5)):
+        position = torch.searchsorted(hubs, ids)
+        assert torch.equal(hubs[position], ids), "an id that is no hub"
+        assert (ids.sort(dim=1).values.diff(dim=1) > 0).all(), "a hub twice"
+        got = score[:rows].gather(1, position)
+        assert (got - exact[:rows, :70]).abs().max() <= tolerance * exact.abs().max()
+    # Both sum the same products in float32 in other orders: only near ties may be ordered otherwise.
+    agree = (small == large).all(dim=1).double().mean().item()
+    assert agree >= 0.95, f"{agree:.4f} of the queries got the hubs the matrix product chose"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_vertex_is_reachable_from_the_hubs(device):
     data = islands(100_000, 16, count=40, size=4).to(device)

@@ -117,8 +117,10 @@ def test_filter_checks():
 
 
 def test_search_parameter_checks():
-    with pytest.raises(ValueError, match="search_width: expected 1..32"):
-        grnnd.search(X, G, X[:2], 2, search_width=0)
+    with pytest.raises(ValueError, match=r"search_width: expected 0 \(automatic\) .. 32"):
+        grnnd.search(X, G, X[:2], 2, search_width=-1)
+    with pytest.raises(ValueError, match=r"search_width: expected 0 \(automatic\) .. 32"):
+        grnnd.search(X, G, X[:2], 2, search_width=33)
     with pytest.raises(ValueError, match="list_size: expected <= 1024"):
         grnnd.search(X, G, X[:2], 2, list_size=5000)
     with pytest.raises(ValueError, match="max_iters: expected >= 0"):

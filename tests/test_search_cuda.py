@@ -284,6 +284,27 @@ def test_small_batches_are_split_automatically(points, graph_for):
     assert grnnd.recall(split_ids, truth) >= grnnd.recall(single_ids, truth) - 0.01
 
 
+def test_small_batches_expand_four_parents_by_default(points, graph_for):
+    """search_width=0 (the default) is 4 for a batch of at most two queries per SM and 1 for a
+    larger one (params.h, resolve_search_width): the same results as those widths given."""
+    data, graph = points[0].cuda(), graph_for("l2").cuda()
+    queries = points[1].cuda()
+    sms = torch.cuda.get_device_properties(queries.device).multi_processor_count
+    for batch, width in ((1, 4), (5, 4), (2 * sms, 4), (2 * sms + 1, 1)):
+        q = torch.cat([queries] * (batch // NQ + 1))[:batch]
+        auto = grnnd.search(data, graph, q, K, list_size=64)
+        given = grnnd.search(data, graph, q, K, list_size=64, search_width=width)
+        assert torch.equal(auto[1], given[1]) and torch.equal(auto[0], given[0]), (batch, width)
+        assert torch.equal(grnnd.search_distance_counts(data, graph, q, K, list_size=64),
+                           grnnd.search_distance_counts(data, graph, q, K, list_size=64, search_width=width))
+    # Wider iterations find more at the same list: a batch of 4 queries at a time over 400.
+    truth = exact(points[0], points[1][:400], K, "l2")
+    wide = torch.cat([grnnd.search(data, graph, q, K, list_size=32)[1] for q in queries[:400].split(4)])
+    narrow = torch.cat([grnnd.search(data, graph, q, K, list_size=32, search_width=1)[1]
+                        for q in queries[:400].split(4)])
+    assert grnnd.recall(wide, truth) >= grnnd.recall(narrow, truth)
+
+
 def test_non_default_stream_and_repeatability(points, graph_for):
     data, graph, queries = points[0].cuda(), graph_for("l2").cuda(), points[1].cuda()
     ref = grnnd.search(data, graph, queries, K, list_size=64)

@@ -122,7 +122,10 @@ class SearchParams(_Settings):
         k: neighbours returned per query, ``k <= list_size``.
         list_size: internal candidate list (CAGRA's itopk, HNSW's ef); 0 means max(k, 64); at
             most 1024. Longer lists raise recall and cost speed.
-        search_width: parents expanded per iteration.
+        search_width: parents expanded per iteration; 0 (the default) lets the backend choose:
+            1 for a batch that fills the device, 4 on a GPU for a batch too small to (at most
+            two queries per SM), where wider iterations shorten each query's chain of dependent
+            steps and cost nothing the idle GPU would otherwise do. The CPU always takes 1.
         max_iters: iteration cap; 0 means until no unexpanded parent is left.
         searches: independent searches per query; 0 lets the backend choose; at most 32, and
             ``searches * k <= 4096``.

@@ -304,8 +304,9 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const at::Tensor& data, const at::
                                               const c10::optional<at::Tensor>& codes,
                                               const c10::optional<at::Tensor>& code_grid) {
   check_search_inputs(data, graph, queries, k, filter);
-  const SearchParams p =
+  SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches, hub_entries);
+  p.search_width = resolve_search_width(p.search_width, /*batch_fills_device=*/true);
   const SearchCodes search_codes = check_search_codes(codes, code_grid, data, queries, p.metric);
   check_search_contents(data, graph, queries);
   at::Tensor out_dists =
@@ -323,8 +324,9 @@ at::Tensor search_distance_counts_cpu(const at::Tensor& data, const at::Tensor& 
                                       int64_t hub_entries, const c10::optional<at::Tensor>& codes,
                                       const c10::optional<at::Tensor>& code_grid) {
   check_search_inputs(data, graph, queries, k, filter);
-  const SearchParams p =
+  SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches, hub_entries);
+  p.search_width = resolve_search_width(p.search_width, /*batch_fills_device=*/true);
   const SearchCodes search_codes = check_search_codes(codes, code_grid, data, queries, p.metric);
   check_search_contents(data, graph, queries);
   at::Tensor counts = at::zeros({queries.size(0)}, queries.options().dtype(at::kInt));

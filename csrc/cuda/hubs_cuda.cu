@@ -26,6 +26,7 @@
 
 #include "../hubs.h"
 #include "mma_cuda.cuh"
+#include "sort_cuda.cuh"
 
 namespace grnnd {
 namespace cuda {
@@ -366,8 +367,105 @@ void launch_fused_lifted_or_not(const at::Tensor& rows, const at::Tensor& hubs, 
   }
 }
 
+// Queries whose distances to one hub a warp computes in turn: the hub row is read from L2 once
+// and from L1 after that, the queries are few and stay in L1.
+constexpr int kDirectQueriesPerWarp = 8;
+
+// dists[q, j] = the ranking's distance from query q to hub j (row hub_row(j, n, hubs) of x); a
+// warp per hub and group of queries. NaN (a non-finite query) becomes +inf, so the sort stays
+// a total order.
+template <typename T>
+__global__ void __launch_bounds__(kWarp * kWarpsPerBlock)
+    hub_distances_kernel(const T* __restrict__ x, int64_t n, int dim, int32_t hubs, const T* __restrict__ queries,
+                         int64_t nq, Metric ranking, float* __restrict__ dists) {
+  const int lane = threadIdx.x % kWarp;
+  const int32_t j = static_cast<int32_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  if (j >= hubs) return;  // whole warps leave together
+  const T* hub = x + hub_row(j, n, hubs) * dim;
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * kDirectQueriesPerWarp;
+  const int64_t last = first + kDirectQueriesPerWarp < nq ? first + kDirectQueriesPerWarp : nq;
+  for (int64_t q = first; q < last; ++q) {
+    const T* query = queries + q * dim;
+    // Cosine ranks by <q, hub> / |hub| (the queries' norms do not change a query's order).
+    const float d = ranking == Metric::kCosine ? team_cosine<kWarp, T, /*kUnitA=*/true>(query, hub, dim, lane)
+                                               : team_distance<kWarp>(query, hub, dim, ranking, lane);
+    if (lane == 0) dists[q * hubs + j] = isnan(d) ? INFINITY : d;
+  }
+}
+
+// out[q, 0..count) = the row ids of query q's `count` nearest hubs, nearest first (the lower hub
+// first among equal distances, as nearest_hubs orders them): one block per query sorts its
+// distances in shared memory.
+__global__ void __launch_bounds__(1024)
+    nearest_hub_rows_kernel(const float* __restrict__ dists, int64_t n, int32_t hubs, int count,
+                            int32_t* __restrict__ out) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int n_sort = next_pow2(hubs);
+  float* d = reinterpret_cast<float*>(smem);
+  uint32_t* id = reinterpret_cast<uint32_t*>(d + n_sort);
+  const int64_t q = blockIdx.x;
+  for (int i = threadIdx.x; i < n_sort; i += blockDim.x) {
+    d[i] = i < hubs ? dists[q * hubs + i] : INFINITY;
+    id[i] = i < hubs ? static_cast<uint32_t>(i) : kEmptyId;
+  }
+  __syncthreads();
+  bitonic<false>(d, id, n_sort);
+  for (int c = threadIdx.x; c < count; c += blockDim.x) {
+    out[q * count + c] = static_cast<int32_t>(hub_row(id[c], n, hubs));
+  }
+}
+
 }  // namespace
 }  // namespace cuda
+
+bool direct_hub_entries_apply(const at::Tensor& x, const at::Tensor& queries) {
+  const int64_t hubs = hub_count(x.size(0));
+  if (!queries.is_cuda() || hubs == 0 || hubs > kMaxDirectHubs || queries.size(0) * hubs > kMaxDirectHubPairs) {
+    return false;
+  }
+  const auto type = x.scalar_type();
+  if ((type != at::kFloat && type != at::kHalf && type != at::kBFloat16) || queries.scalar_type() != type) return false;
+  // The distances read 16-byte chunks of rows that are a whole number of chunks long.
+  return x.is_contiguous() && queries.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(queries.data_ptr()) % 16 == 0;
+}
+
+at::Tensor direct_hub_entries_cuda(const at::Tensor& x, const at::Tensor& queries, Metric ranking, int64_t count) {
+  TORCH_CHECK(direct_hub_entries_apply(x, queries) && count >= 1,
+              "direct_hub_entries_cuda: called outside direct_hub_entries_apply");
+  const c10::cuda::CUDAGuard guard(queries.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(queries.device().index()).stream();
+  const int64_t n = x.size(0), nq = queries.size(0), dim = x.size(1);
+  const auto hubs = static_cast<int32_t>(hub_count(n));
+  count = std::min<int64_t>(count, hubs);
+  // Host rows (a GPU search of pinned rows) are read where they lie, through unified addressing.
+  const void* rows = x.is_cuda() ? x.data_ptr() : cuda::device_address_of_host_rows(x);
+  const at::Tensor dists = at::empty({nq, hubs}, queries.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({nq, count}, queries.options().dtype(at::kInt));
+  if (nq == 0) return out;
+  const dim3 grid(static_cast<unsigned>((hubs + cuda::kWarpsPerBlock - 1) / cuda::kWarpsPerBlock),
+                  static_cast<unsigned>((nq + cuda::kDirectQueriesPerWarp - 1) / cuda::kDirectQueriesPerWarp));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "hub_distances", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      cuda::hub_distances_kernel<scalar_t><<<grid, cuda::kWarp * cuda::kWarpsPerBlock, 0, stream>>>(
+          static_cast<const scalar_t*>(rows), n, static_cast<int>(dim), hubs, queries.data_ptr<scalar_t>(), nq,
+          ranking, dists.data_ptr<float>());
+    }
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int n_sort = cuda::next_pow2(hubs);
+  const size_t smem = (sizeof(float) + sizeof(uint32_t)) * static_cast<size_t>(n_sort);
+  if (smem > 48 * 1024) {
+    // A host-side attribute, no sync: allowed while a CUDA graph is being captured.
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cuda::nearest_hub_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+  }
+  const int threads = std::min(1024, std::max(cuda::kWarp, n_sort / 2));
+  cuda::nearest_hub_rows_kernel<<<static_cast<unsigned>(nq), threads, smem, stream>>>(
+      dists.data_ptr<float>(), n, hubs, static_cast<int>(count), out.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
 
 void smallest_scores_cuda(const at::Tensor& dots, const at::Tensor& weight, const at::Tensor& bias,
                           const at::Tensor& row_lift, const at::Tensor& lift_coef, at::Tensor& out) {

@@ -49,9 +49,12 @@ constexpr int kMaxWarpCandRows = 2;          // and rounds of up to 2 * 32 candi
 // Chunks of a row in flight per lane in warp_iterations' distances (team_visit). The general loop
 // keeps 1: it was not measured with more on its own.
 constexpr int kWarpLoopChunksInFlight = 4;
-// searches_for_batch: the largest batch it splits (queries per SM), the blocks per SM a split
-// aims at, and the fewest searches worth a split.
-constexpr int kMaxSplitQueriesPerSm = 2;
+// A batch of at most kSmallBatchQueriesPerSm queries per SM leaves the GPU partly idle with one
+// block per query: its automatic search width is the small batches' (params.h,
+// resolve_search_width). searches_for_batch: the largest batch it splits (one query per
+// kSplitSmsPerQuery SMs), the blocks per SM a split aims at, and the fewest searches worth a split.
+constexpr int kSmallBatchQueriesPerSm = 2;
+constexpr int kSplitSmsPerQuery = 4;
 constexpr int kSplitBlocksPerSm = 8;
 constexpr int kMinSplit = 8;
 // Visited set: open addressing with linear probing over 2^bits slots. Returns true when `key`
@@ -143,6 +146,9 @@ __device__ __forceinline__ float team_code_distance(const SearchArgs& a, const C
   const uint4* hi = reinterpret_cast<const uint4*>(cq.hi);
   const uint4* lo = reinterpret_cast<const uint4*>(cq.lo);
   const int chunks = valid ? a.code_dims / 16 : 0;
+  // The norm tail is loaded before the chunks are used, so that its load overlaps theirs: a
+  // separate round trip after the sums costs a small batch one memory latency a distance.
+  const float norm = a.metric == Metric::kL2 && valid ? __ldg(reinterpret_cast<const float*>(row + a.code_dims)) : 0.0f;
   int hi_dot = 0;
   unsigned lo_dot = 0u;
 #pragma unroll 1
@@ -170,7 +176,6 @@ __device__ __forceinline__ float team_code_distance(const SearchArgs& a, const C
   }
   hi_dot = team_sum<TEAM>(hi_dot);
   lo_dot = team_sum<TEAM>(lo_dot);
-  const float norm = a.metric == Metric::kL2 && valid ? __ldg(reinterpret_cast<const float*>(row + a.code_dims)) : 0.0f;
   return code_distance(hi_dot, static_cast<int32_t>(lo_dot), cq.scale, cq.bias, norm, a.metric);
 }
 
@@ -706,15 +711,18 @@ int pick_threads(int64_t blocks, int sms, int list_cap) {
 }
 
 // Independent searches per query when the caller leaves it to us: for a batch of at most
-// kMaxSplitQueriesPerSm queries per SM, about kSplitBlocksPerSm blocks per SM, none for a batch
+// one query per kSplitSmsPerQuery SMs, about kSplitBlocksPerSm blocks per SM, none for a batch
 // that fills the GPU by itself. Fewer than kMinSplit searches keep lists as long as the whole
 // list (list_per_search), so they would only multiply the work. Measured on the H200 (1M x 384
 // real embeddings, descending-order graph, batches of 100 timed from Python, list 16): 10
 // searches per query (1000 blocks) ran at 315K q/s, recall 0.953; 8 at 311K, 0.946; 12 at 246K,
 // 0.956 (1200 blocks get 64 threads each, pick_threads); 21 (16 blocks per SM) at 221K, 0.970.
-// Earlier, at batch 1000 a split of 8 lost to one search at equal recall.
+// Earlier, at batch 1000 a split of 8 lost to one search at equal recall. With the small batches'
+// width of 4 (resolve_search_width), a batch of 100 ran faster unsplit at equal recall (268K q/s
+// at 0.991 against 223K at 0.986 for 10 searches, list 64) while batches of 1 and 10 still gained
+// from the split (H200, 1M x 384 clustered rows, profile_small_batches.py --sweep).
 int searches_for_batch(int64_t queries, int sms, int k) {
-  if (queries > kMaxSplitQueriesPerSm * static_cast<int64_t>(sms)) return 1;
+  if (queries * kSplitSmsPerQuery > sms) return 1;
   const int64_t fill = kSplitBlocksPerSm * static_cast<int64_t>(sms) / std::max<int64_t>(queries, 1);
   return static_cast<int>(std::min<int64_t>(std::max<int64_t>(fill, kMinSplit), max_searches_for_k(k)));
 }
@@ -830,14 +838,14 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
 
   const int64_t n = data.size(0), nq = queries.size(0), degree = graph.size(1);
   TORCH_CHECK_VALUE(nq <= std::numeric_limits<int32_t>::max(), "queries: expected fewer than 2^31 rows, got ", nq);
-  TORCH_CHECK_VALUE(p.search_width <= kMaxSearchWidth, "search_width: expected <= ", kMaxSearchWidth);
-  const int64_t per_round = p.search_width * degree;
-  TORCH_CHECK_VALUE(per_round <= (1 << 16), "search_width * graph degree: the CUDA search expands at most 65536 ",
-                    "neighbours per iteration, got ", p.search_width, " * ", degree);
-
   int device = queries.device().index(), optin = 0, sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int width = resolve_search_width(p.search_width, nq > kSmallBatchQueriesPerSm * static_cast<int64_t>(sms));
+  TORCH_CHECK_VALUE(width <= kMaxSearchWidth, "search_width: expected <= ", kMaxSearchWidth);
+  const int64_t per_round = static_cast<int64_t>(width) * degree;
+  TORCH_CHECK_VALUE(per_round <= (1 << 16), "search_width * graph degree: the CUDA search expands at most 65536 ",
+                    "neighbours per iteration, got ", width, " * ", degree);
 
   SearchArgs a{};
   a.graph = g.data_ptr<int32_t>();
@@ -864,7 +872,7 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   a.kept = a.codes != nullptr ? std::max(p.k, a.list_size) : p.k;
   a.result_cap = filter.has_value() ? next_pow2(a.kept) : 0;
   a.cand_cap = std::max(a.list_cap, next_pow2(static_cast<int>(per_round)));
-  a.search_width = p.search_width;
+  a.search_width = width;
   a.max_iters = p.max_iters;
   const bool warp_fits = !filter.has_value() && a.list_cap <= kMaxWarpRows * kWarpSize &&
                          per_round <= kMaxWarpCandRows * kWarpSize;
@@ -887,7 +895,7 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   a.hash_bits = log2_of(std::max<int64_t>(4 * must_hold, 2048));
   if (shared_bytes(a, a.hash_bits) > limit) a.hash_bits = log2_of(2 * must_hold);
   const size_t smem = shared_bytes(a, a.hash_bits);
-  TORCH_CHECK_VALUE(smem <= limit, "search: list_size ", a.list_size, ", search_width ", p.search_width,
+  TORCH_CHECK_VALUE(smem <= limit, "search: list_size ", a.list_size, ", search_width ", width,
                     " and graph degree ", degree, " need ", smem, " bytes of shared memory per query on the GPU, ",
                     "which has ", limit, "; lower list_size or search_width");
 
