@@ -146,9 +146,6 @@ __device__ __forceinline__ float team_code_distance(const SearchArgs& a, const C
   const uint4* hi = reinterpret_cast<const uint4*>(cq.hi);
   const uint4* lo = reinterpret_cast<const uint4*>(cq.lo);
   const int chunks = valid ? a.code_dims / 16 : 0;
-  // The norm tail is loaded before the chunks are used, so that its load overlaps theirs: a
-  // separate round trip after the sums costs a small batch one memory latency a distance.
-  const float norm = a.metric == Metric::kL2 && valid ? __ldg(reinterpret_cast<const float*>(row + a.code_dims)) : 0.0f;
   int hi_dot = 0;
   unsigned lo_dot = 0u;
 #pragma unroll 1
@@ -176,6 +173,9 @@ __device__ __forceinline__ float team_code_distance(const SearchArgs& a, const C
   }
   hi_dot = team_sum<TEAM>(hi_dot);
   lo_dot = team_sum<TEAM>(lo_dot);
+  // Loaded after the sums on purpose: loading it before the chunks cost the coded search at
+  // batch 10 000 3-5% and gained a batch of 1 nothing (H200, 1M x 384 real rows; not profiled).
+  const float norm = a.metric == Metric::kL2 && valid ? __ldg(reinterpret_cast<const float*>(row + a.code_dims)) : 0.0f;
   return code_distance(hi_dot, static_cast<int32_t>(lo_dot), cq.scale, cq.bias, norm, a.metric);
 }
 
