@@ -34,6 +34,17 @@ def hub_scores(hubs: torch.Tensor, queries: torch.Tensor, metric: str) -> torch.
     return 1 - torch.nn.functional.normalize(q, dim=1) @ torch.nn.functional.normalize(h, dim=1).T
 
 
+def check_nearest_hubs(ids, hubs, score, k, tolerance):
+    """ids [q, k] of nearest_hubs: hub ids, none twice, and the k nearest by score [q, h] (the
+    float64 truth of all hubs), nearest first, up to rounding of near ties."""
+    assert ids.shape == (score.shape[0], k) and ids.dtype == torch.int64
+    position = torch.searchsorted(hubs, ids)
+    assert torch.equal(hubs[position], ids), "an id that is no hub"
+    assert (ids.sort(dim=1).values.diff(dim=1) > 0).all(), "a hub twice"
+    exact = score.sort(dim=1).values
+    assert (score.gather(1, position) - exact[:, :k]).abs().max() <= tolerance * exact.abs().max()
+
+
 def test_hubs_are_one_row_per_stratum():
     assert grnnd.diagnostics.hubs(torch.empty(15_999, 2)).numel() == 0  # too small: random starts
     for n in (16_000, 123_457):
@@ -56,17 +67,9 @@ def test_nearest_hubs_rank_hubs_as_the_metric_does(device, metric, dtype):
     queries = torch.randn(700, 24, generator=g).to(device, dtype)
     hubs = grnnd.diagnostics.hubs(data)
     score = hub_scores(data[hubs], queries, metric)
-    exact = score.sort(dim=1).values
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     for k in (1, 2, 5, 32, 64, 70):
-        ids = grnnd.diagnostics.nearest_hubs(data, queries, k, metric=metric)
-        assert ids.shape == (700, k) and ids.dtype == torch.int64
-        position = torch.searchsorted(hubs, ids)
-        assert torch.equal(hubs[position], ids), "an id that is no hub"
-        assert (ids.sort(dim=1).values.diff(dim=1) > 0).all(), "a hub twice"
-        # Nearest first, and the k chosen are the k nearest (up to rounding of near ties).
-        got = score.gather(1, position)
-        assert (got - exact[:, :k]).abs().max() <= tolerance * exact.abs().max()
+        check_nearest_hubs(grnnd.diagnostics.nearest_hubs(data, queries, k, metric=metric), hubs, score, k, tolerance)
     assert grnnd.diagnostics.nearest_hubs(data[:15_000], queries, 4).shape == (700, 0)
 
 
@@ -83,15 +86,10 @@ def test_fused_nearest_hubs_select_as_the_score_matrix_does(metric, dtype):
     hubs = grnnd.diagnostics.hubs(data)
     assert hubs.numel() == 300
     score = hub_scores(data[hubs], queries, metric)
-    exact = score.sort(dim=1).values
     matrix = grnnd.diagnostics.nearest_hubs(data, queries, 3, metric=metric)
     for k in (1, 2):
         ids = grnnd.diagnostics.nearest_hubs(data, queries, k, metric=metric)
-        assert ids.shape == (40_001, k) and ids.dtype == torch.int64
-        position = torch.searchsorted(hubs, ids)
-        assert torch.equal(hubs[position], ids), "an id that is no hub"
-        got = score.gather(1, position)
-        assert (got - exact[:, :k]).abs().max() <= 5e-2 * exact.abs().max()
+        check_nearest_hubs(ids, hubs, score, k, 5e-2)
         # Both ways sum the same products in float32, in other orders: only near ties may differ.
         agree = (ids == matrix[:, :k]).all(dim=1).double().mean().item()
         assert agree >= 0.999, f"{agree:.4f} of the rows chose as the score matrix does"
@@ -110,7 +108,6 @@ def test_small_batches_find_the_hubs_a_large_batch_finds(metric, dtype):
     hubs = grnnd.diagnostics.hubs(data)
     assert hubs.numel() == 2_100
     score = hub_scores(data[hubs], queries, metric)
-    exact = score.sort(dim=1).values
     large = grnnd.diagnostics.nearest_hubs(data, queries, 70, metric=metric)
     small = torch.cat([grnnd.diagnostics.nearest_hubs(data, queries[s:s + 5], 70, metric=metric)
                        for s in range(0, 600, 5)])
@@ -120,11 +117,7 @@ def test_small_batches_find_the_hubs_a_large_batch_finds(metric, dtype):
     unaligned = grnnd.diagnostics.nearest_hubs(data, odd, 70, metric=metric)
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     for ids, rows in ((large, 600), (small, 600), (unaligned, 5)):
-        position = torch.searchsorted(hubs, ids)
-        assert torch.equal(hubs[position], ids), "an id that is no hub"
-        assert (ids.sort(dim=1).values.diff(dim=1) > 0).all(), "a hub twice"
-        got = score[:rows].gather(1, position)
-        assert (got - exact[:rows, :70]).abs().max() <= tolerance * exact.abs().max()
+        check_nearest_hubs(ids, hubs, score[:rows], 70, tolerance)
     # Both sum the same products in float32 in other orders: only near ties may be ordered otherwise.
     agree = (small == large).all(dim=1).double().mean().item()
     assert agree >= 0.95, f"{agree:.4f} of the queries got the hubs the matrix product chose"

@@ -203,15 +203,15 @@ def test_cuda_graph_capture(points, graph_for, metric, batch):
 @pytest.mark.parametrize("list_size", [32, 128, 512])
 def test_results_do_not_depend_on_the_batch_size(points, graph_for, list_size, searches):
     # The block size follows the batch (64 threads per query for batches that fill the GPU,
-    # 256 for a few queries); with the number of searches per query fixed, a query's search,
-    # and so its result, is the same either way.
+    # 256 for a few queries); with the number of searches per query and the width fixed (both
+    # follow the batch when left automatic), a query's search, and so its result, is the same.
     data, queries = points
     graph = graph_for("l2").cuda()
     x = data.cuda()
     many = torch.cat([queries] * 20).cuda()  # 20 000 queries: more than 8 per SM on any GPU
-    d_all, i_all = grnnd.search(x, graph, many, K, list_size=list_size, searches=searches)
+    d_all, i_all = grnnd.search(x, graph, many, K, list_size=list_size, searches=searches, search_width=1)
     for batch in (1, 50, 500):
-        d, i = grnnd.search(x, graph, many[:batch], K, list_size=list_size, searches=searches)
+        d, i = grnnd.search(x, graph, many[:batch], K, list_size=list_size, searches=searches, search_width=1)
         assert torch.equal(i, i_all[:batch]) and torch.equal(d, d_all[:batch])
 
 

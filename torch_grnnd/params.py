@@ -115,8 +115,10 @@ class SearchParams(_Settings):
     its own random entry points and keeps a list of about ``2 * list_size / sqrt(searches)``
     (at least ``k``, at most ``list_size``). On CUDA they run side by side, which is how a small
     batch uses the whole GPU; by default (``searches=0``) the CUDA search splits the queries of a
-    batch too small to fill the GPU, so a query may get slightly different neighbours in a batch
-    of 1 than in a batch of 10 000 (``searches=1`` rules that out). The CPU splits only when asked.
+    batch too small to fill the GPU, and expands more parents per iteration in small batches
+    (``search_width=0``), so a query may get slightly different neighbours in a batch of 1 than
+    in a batch of 10 000 (``searches=1, search_width=1`` rules that out). The CPU splits only
+    when asked.
 
     Attributes:
         k: neighbours returned per query, ``k <= list_size``.
