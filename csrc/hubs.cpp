@@ -131,12 +131,13 @@ at::Tensor hub_entries(const at::Tensor& x, const at::Tensor& queries, Metric me
                        int64_t count) {
   const int64_t n = x.size(0);
   if (hub_count(n) == 0 || count <= 0 || queries.size(0) == 0) return at::Tensor();
-  const at::Tensor hubs = hub_ids(n, queries.options());
   // Unit rows rank by -<q, hub> under cosine as under inner product.
   const Metric ranking = metric == Metric::kCosine && x_normalised ? Metric::kIP : metric;
 #ifdef GRNND_WITH_CUDA
+  // Before hub_ids: the direct kernels find the hub rows themselves (hub_row).
   if (direct_hub_entries_apply(x, queries)) return direct_hub_entries_cuda(x, queries, ranking, count);
 #endif
+  const at::Tensor hubs = hub_ids(n, queries.options());
   const at::Tensor nearest = nearest_hubs(queries, hub_rows(x, hubs), count, ranking);
   return hubs.index_select(0, nearest.flatten()).view_as(nearest).to(at::kInt).contiguous();
 }

@@ -115,7 +115,7 @@ SearchParams make_search_params(int64_t k, int64_t list_size, int64_t search_wid
 // Measured on the H200 (1M x 384 normalised clustered float16 rows, default build and codes;
 // benchmarks/README.md, profile_small_batches.py --sweep): at batches of 1, 10 and 100 and
 // lists of 32 and 64, width 4 was both faster and more accurate than width 1 at the same list,
-// e.g. a batch of 1 at list 32 in 0.242 ms at recall 0.993 against 0.273 ms at 0.973. The CPU
+// e.g. a batch of 1 at list 32 in 0.242 ms at recall 0.993 against 0.274 ms at 0.973. The CPU
 // always counts as full: one core already runs one query at full speed.
 constexpr int kSmallBatchSearchWidth = 4;
 inline int resolve_search_width(int search_width, bool batch_fills_device) {
