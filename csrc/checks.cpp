@@ -192,21 +192,25 @@ SearchCodes check_search_codes(const c10::optional<at::Tensor>& codes, const c10
   TORCH_CHECK_VALUE(codes.has_value() == code_grid.has_value(), "codes and code_grid: expected both or neither, got ",
                     codes.has_value() ? "codes alone" : "code_grid alone");
   if (!codes.has_value()) return {};
-  const int64_t n = data.size(0), dim = data.size(1), row_bytes = code_row_bytes(dim, metric);
+  const int64_t n = data.size(0), dim = data.size(1);
   TORCH_CHECK_VALUE(dim <= kMaxCodeDim, "codes: expected data of at most ", kMaxCodeDim, " dimensions, got ", dim);
-  TORCH_CHECK_TYPE(codes->scalar_type() == at::kByte, "codes: expected uint8, got ", codes->scalar_type());
-  TORCH_CHECK_VALUE(codes->dim() == 2 && codes->size(0) == n && codes->size(1) == row_bytes, "codes: expected shape [",
-                    n, ", ", row_bytes, "] (the codes of data's rows for this metric, ",
-                    "torch_grnnd.encode), got ", codes->sizes());
+  // The grid's shape says the kind (code_kind_of), so it is checked first.
   TORCH_CHECK_TYPE(code_grid->scalar_type() == at::kFloat, "code_grid: expected float32, got ",
                    code_grid->scalar_type());
-  TORCH_CHECK_VALUE(code_grid->dim() == 2 && code_grid->size(0) == 2 && code_grid->size(1) == dim,
-                    "code_grid: expected shape [2, ", dim, "] (offsets and steps), got ", code_grid->sizes());
+  const int kind = code_grid->dim() == 2 && code_grid->size(1) == dim ? code_kind_of(code_grid->size(0), dim) : -1;
+  TORCH_CHECK_VALUE(kind >= 0, "code_grid: expected shape [2, ", dim, "] (int8: offsets and steps) or [", dim + 1, ", ",
+                    dim, "] (int4: rotation and centre), got ", code_grid->sizes());
+  const CodeKind code_kind = static_cast<CodeKind>(kind);
+  const int64_t row_bytes = code_row_bytes(dim, metric, code_kind);
+  TORCH_CHECK_TYPE(codes->scalar_type() == at::kByte, "codes: expected uint8, got ", codes->scalar_type());
+  TORCH_CHECK_VALUE(codes->dim() == 2 && codes->size(0) == n && codes->size(1) == row_bytes, "codes: expected shape [",
+                    n, ", ", row_bytes, "] (the ", code_kind == CodeKind::kInt8 ? "int8" : "int4",
+                    " codes of data's rows for this metric, torch_grnnd.encode), got ", codes->sizes());
   check_same_device(queries, "queries", *codes, "codes");
   check_same_device(queries, "queries", *code_grid, "code_grid");
   at::Tensor rows = codes->contiguous();
   if (reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 != 0) rows = rows.clone();  // 16-byte loads
-  return {rows, code_grid->contiguous()};
+  return {rows, code_grid->contiguous(), code_kind};
 }
 
 void check_search_contents(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries) {

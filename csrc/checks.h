@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include "codes.h"
 #include "params.h"
 #include "segments.h"
 
@@ -51,11 +52,13 @@ void check_build_inputs(const at::Tensor& data);
 void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries, int64_t k,
                          const c10::optional<at::Tensor>& filter);
 // The codes a search traverses by (csrc/codes.h), or neither tensor: codes uint8
-// [n, code_row_bytes(dim, metric)] and code_grid float32 [2, dim] (offsets, steps), on the
-// queries' device; returned contiguous and 16-byte aligned (copied where they are not).
+// [n, code_row_bytes(dim, metric, kind)] and code_grid float32, [2, dim] for int8 (offsets,
+// steps) or [dim + 1, dim] for int4 (rotation, centre), on the queries' device; returned
+// contiguous and 16-byte aligned (copied where they are not).
 struct SearchCodes {
   at::Tensor codes;  // undefined: the traversal reads the rows
   at::Tensor grid;
+  CodeKind kind = CodeKind::kInt8;
 };
 SearchCodes check_search_codes(const c10::optional<at::Tensor>& codes, const c10::optional<at::Tensor>& code_grid,
                                const at::Tensor& data, const at::Tensor& queries, Metric metric);

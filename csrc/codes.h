@@ -1,5 +1,6 @@
-// 8-bit scalar codes of the data rows: what the search's traversal reads instead of the rows
-// (DESIGN.md, "Search at the memory limit"). The CPU and CUDA searches share every formula here,
+// Compact codes of the data rows: what the search's traversal reads instead of the rows
+// (DESIGN.md, "Search at the memory limit"). Two kinds: 8-bit scalar codes ("int8") and 4-bit
+// codes of the randomly rotated rows with a per-row scale ("int4", below the int8 part). The CPU and CUDA searches share every formula here,
 // so both walk the graph by the same code distances and re-rank with the same exact ones.
 //
 // A search on 1M x 384 float16 rows at list 64 reads about 2 800 rows per query: 2.2 MB, which
@@ -33,12 +34,34 @@
 
 namespace grnnd {
 
-// Codes per dimension, padded so that a row is a whole number of 16-byte loads.
-GRNND_HOST_DEVICE int64_t code_dims(int64_t dim) { return (dim + 15) / 16 * 16; }
+// The kinds of codes, told apart by the shape of their grid (code_kind_of).
+enum class CodeKind { kInt8, kInt4 };
 
-// Bytes of one code row: its codes, then for l2 the row's norm term in a 16-byte tail.
-GRNND_HOST_DEVICE int64_t code_row_bytes(int64_t dim, Metric metric) {
-  return code_dims(dim) + (metric == Metric::kL2 ? 16 : 0);
+// Codes per row, padded so that a row is a whole number of 16-byte loads: 16 bytes hold 16 int8
+// codes or 32 int4 codes.
+GRNND_HOST_DEVICE int64_t code_dims(int64_t dim, CodeKind kind = CodeKind::kInt8) {
+  return kind == CodeKind::kInt8 ? (dim + 15) / 16 * 16 : (dim + 31) / 32 * 32;
+}
+
+// Bytes of a row's codes, the tail not counted.
+GRNND_HOST_DEVICE int64_t code_bytes(int64_t dim, CodeKind kind) {
+  return kind == CodeKind::kInt8 ? code_dims(dim, kind) : code_dims(dim, kind) / 2;
+}
+
+// Bytes of one code row: its codes, then a 16-byte tail where the kind needs one (int8: the
+// row's norm term under l2; int4: its scale and norm term under every metric).
+GRNND_HOST_DEVICE int64_t code_row_bytes(int64_t dim, Metric metric, CodeKind kind = CodeKind::kInt8) {
+  const bool tail = kind == CodeKind::kInt4 || metric == Metric::kL2;
+  return code_bytes(dim, kind) + (tail ? 16 : 0);
+}
+
+// The kind whose grid has `grid_rows` rows for rows of `dim`: int8 grids are [2, dim] (offsets,
+// steps), int4 grids [dim + 1, dim] (the rotation, then the centre); int4 needs dim >= 2, so
+// the shapes never meet. -1: neither.
+inline int code_kind_of(int64_t grid_rows, int64_t dim) {
+  if (grid_rows == 2) return static_cast<int>(CodeKind::kInt8);
+  if (dim >= 2 && grid_rows == dim + 1) return static_cast<int>(CodeKind::kInt4);
+  return -1;
 }
 
 // Largest |A_d| of the query's 16-bit terms; with hi in [-128, 127] and lo in [0, 255].
@@ -98,5 +121,63 @@ GRNND_HOST_DEVICE float code_distance(int32_t hi_dot, int32_t lo_dot, float scal
 // sums are then added in xor-butterfly order (offsets 16, 8, 4, 2, 1), as the GPU's shuffles
 // add them. The CPU runs the same steps, so both get the same constant.
 constexpr int kCodeConstantLanes = 32;
+
+// ---- int4: 4-bit codes of the rotated rows (after RaBitQ, seeds/README.md) ----
+//
+// Encoding (torch_grnnd/codes.py): a random orthogonal matrix P (fixed seed) and the centre c of
+// the rows (cosine rows once normalised). A row x is coded by r = P (x - c): with a step t_x of
+// its own, u_d = clamp(round(r_d / t_x + 7.5), 0, 15), so v = u - 7.5 lies on a grid symmetric
+// about 0; t_x is the step, of a few tried, whose v points closest to r's direction. Rotated,
+// every coordinate carries about the same share of the row, so one step per row fits them all.
+//
+// Estimate: <r, y> ~ alpha <v, y> with alpha = |r|^2 / <v, r>, RaBitQ's estimator: exact for
+// y = r, and in that paper's analysis unbiased over random rotations; without the division by
+// <v, r> it would shrink every inner product by about cos(v, r).
+// Distances, with y = P (q - c) under l2 and y = P q otherwise:
+//   l2:     |q - c|^2 + |r|^2 - 2 alpha <v, y>
+//   ip:     -<q, c> - alpha <v, y>
+//   cosine: 1 - <q, c> - alpha <v, y>               (q normalised)
+// y is quantised as for int8 (16-bit levels A_d, split into bytes) and <v, A> = <u, A> - 7.5 sum A
+// is computed in integers, as e = 2 <u, A> - 15 sum A, so <v, y> ~ scale e / 2.
+//
+// Layout of a row: [code_dims / 2 bytes: byte j holds u_{2j} in its low and u_{2j+1} in its high
+// nibble, zero padded] [16 bytes: float32 alpha, float32 |r|^2, 8 bytes of padding]. The grid:
+// float32 [D + 1, D], rows 0..D-1 the rotation transposed (row d holds P's column d, so that
+// y = u @ grid[:D] for a row vector u), row D the centre.
+
+constexpr float kInt4HalfRange = 7.5f;  // v = u - 7.5, u in [0, 15]
+
+// Where the query keeps the term of dimension d: each 4-byte word of codes holds 8 dimensions,
+// the even ones in its low nibbles and the odd ones in its high nibbles, so a word's 8 terms are
+// stored even dimensions first (masking the word's low or high nibbles gives 4 bytes that line
+// up with 4 terms).
+GRNND_HOST_DEVICE int64_t int4_query_slot(int64_t d) {
+  const int64_t in_word = d % 8;
+  return d - in_word + (in_word % 2) * 4 + in_word / 2;
+}
+
+// One step of y_i = sum_d grid[d][i] u_d, taken over d in order on both devices (u_d = q_d - c_d
+// under l2, q_d otherwise).
+GRNND_HOST_DEVICE float int4_rotation_step(float acc, float rotation, float u) { return fmaf(rotation, u, acc); }
+
+GRNND_HOST_DEVICE float int4_rotation_input(float q, float centre, Metric metric) {
+  return metric == Metric::kL2 ? q - centre : q;
+}
+
+// The distance from the integer sums <hi, u>, <lo, u> and sum A, the query's scale and bias, and
+// the row's alpha and |r|^2 (read under l2 only). Rounded one step at a time on both devices.
+GRNND_HOST_DEVICE float int4_code_distance(int32_t hi_dot, int32_t lo_dot, int32_t level_sum, float scale,
+                                           float bias, float alpha, float norm, Metric metric) {
+  const int64_t dot = static_cast<int64_t>(hi_dot) * 256 + lo_dot;
+  const float e = static_cast<float>(2 * dot - 15 * static_cast<int64_t>(level_sum));
+  const float half_scale = 0.5f * scale;  // exact
+#if defined(__CUDA_ARCH__)
+  const float inner = __fmul_rn(__fmul_rn(e, half_scale), alpha);
+  return metric == Metric::kL2 ? __fadd_rn(__fsub_rn(bias, __fmul_rn(2.0f, inner)), norm) : __fsub_rn(bias, inner);
+#else
+  const float inner = (e * half_scale) * alpha;
+  return metric == Metric::kL2 ? (bias - 2.0f * inner) + norm : bias - inner;
+#endif
+}
 
 }  // namespace grnnd

@@ -40,8 +40,9 @@ TORCH_LIBRARY(grnnd, m) {
   // such as `filter`; the Python wrapper keeps them keyword-only for callers.
   // searches=0: the backend decides how many independent searches answer each query (params.h);
   // search_width=0: likewise how many parents each iteration expands (resolve_search_width).
-  // codes, code_grid: the rows' 8-bit codes (codes.h; torch_grnnd.encode): the traversal computes
-  // its distances from them and the final list is re-ranked by exact distances to the rows.
+  // codes, code_grid: the rows' compact codes (codes.h; torch_grnnd.encode), int8 or int4 as the
+  // grid's shape says: the traversal computes its distances from them and the final list is
+  // re-ranked by exact distances to the rows.
   m.def(
       "search(Tensor data, Tensor graph, Tensor queries, int k, int list_size=0, int search_width=0, "
       "int max_iters=0, str metric=\"l2\", int seed=0, Tensor? filter=None, int searches=0, int hub_entries=-1, "

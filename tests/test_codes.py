@@ -1,5 +1,6 @@
-"""Searches that walk the graph by 8-bit codes and re-rank by exact distances (csrc/codes.h):
-recall against faiss-cpu, exact returned distances, the CPU and CUDA twins, filters, bad input."""
+"""Searches that walk the graph by compact codes (8-bit, and 4-bit of the rotated rows) and re-rank
+by exact distances (csrc/codes.h): recall against faiss-cpu, exact returned distances, the CPU and
+CUDA twins, filters, bad input."""
 import pytest
 import torch
 
@@ -8,6 +9,7 @@ from conftest import clustered, exact_neighbours
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 METRICS = ["l2", "ip", "cosine"]
+KINDS = ["int8", "int4"]
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +37,41 @@ def test_encode_layout_and_decoding():
 
 
 @pytest.mark.parametrize("metric", METRICS)
-def test_coded_search_recall_and_exact_distances(sets, metric):
+def test_int4_layout_and_estimates(metric):
+    x = clustered(2_000, 40, 8, seed=2)
+    codes = grnnd.encode(x, "int4", metric=metric)
+    assert codes.rows.shape == (2_000, 32 + 16)  # 40 codes padded to 64 nibbles, alpha and |r|^2
+    assert codes.grid.shape == (41, 40)
+    rotation, centre = codes.grid[:40], codes.grid[40]
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(40), atol=1e-5, rtol=0)  # orthogonal
+    rows = torch.nn.functional.normalize(x, dim=1) if metric == "cosine" else x
+    torch.testing.assert_close(centre, rows.mean(0), atol=1e-5, rtol=1e-5)
+    packed = codes.rows[:, :32]
+    levels = torch.stack([packed & 0xF, packed >> 4], 2).flatten(1)
+    assert bool((levels[:, 40:] == 0).all())  # padding codes are zero
+    v = levels[:, :40].float() - 7.5
+    tail = codes.rows[:, 32:40].contiguous().view(torch.float32)
+    alpha, norm = tail[:, 0], tail[:, 1]
+    r = (rows - centre) @ rotation
+    torch.testing.assert_close(norm, r.square().sum(1), rtol=1e-4, atol=1e-5)
+    # A row's own inner product is estimated exactly, and the levels point close to its direction.
+    torch.testing.assert_close(alpha * (v * r).sum(1), norm, rtol=1e-4, atol=1e-5)
+    assert float(torch.nn.functional.cosine_similarity(v, r).min()) > 0.97
+    # Between rows the estimate is close: within a few percent of |r_a| |r_b|.
+    a, b = r[:500], r[500:1000]
+    estimate = alpha[:500] * (v[:500] * b).sum(1)
+    error = (estimate - (a * b).sum(1)).abs() / (a.norm(dim=1) * b.norm(dim=1))
+    assert float(error.mean()) < 0.03, float(error.mean())
+    # The same rows on the same grid give the same codes; the rotation is the same for every index.
+    assert torch.equal(grnnd.codes.encode_rows(x, codes.grid, metric), codes.rows)
+    assert torch.equal(grnnd.encode(x[:100] * 2, "int4", metric=metric).grid[:40], rotation)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("metric", METRICS)
+def test_coded_search_recall_and_exact_distances(sets, metric, kind):
     base, queries, graph = sets[metric]
-    codes = grnnd.encode(base, metric=metric)
+    codes = grnnd.encode(base, kind, metric=metric)
     truth = exact_neighbours(base, queries, 10, metric)[1]
     full = grnnd.search(base, graph, queries, 10, list_size=64, metric=metric)[1]
     dists, ids = grnnd.search(base, graph, queries, 10, list_size=64, metric=metric, codes=codes)
@@ -52,9 +86,10 @@ def test_coded_search_recall_and_exact_distances(sets, metric):
     assert bool((dists[:, 1:] >= dists[:, :-1]).all())
 
 
-def test_coded_search_with_split_searches_and_filter(sets):
+@pytest.mark.parametrize("kind", KINDS)
+def test_coded_search_with_split_searches_and_filter(sets, kind):
     base, queries, graph = sets["l2"]
-    codes = grnnd.encode(base)
+    codes = grnnd.encode(base, kind)
     truth = exact_neighbours(base, queries, 10)[1]
     _, ids = grnnd.search(base, graph, queries, 10, list_size=64, searches=4, codes=codes)
     assert grnnd.recall(ids, truth) >= 0.95
@@ -89,28 +124,35 @@ def test_coded_search_refuses_bad_codes(sets):
         torch.ops.grnnd.search(base, graph, queries, 10, codes=codes.rows[:, :48], code_grid=codes.grid)
     with pytest.raises(TypeError, match="codes: expected uint8"):
         torch.ops.grnnd.search(base, graph, queries, 10, codes=codes.rows.float(), code_grid=codes.grid)
-    with pytest.raises(ValueError, match=r"code_grid: expected shape \[2, 48\]"):
+    with pytest.raises(ValueError, match=r"code_grid: expected shape \[2, 48\] .* or \[49, 48\]"):
         torch.ops.grnnd.search(base, graph, queries, 10, codes=codes.rows, code_grid=codes.grid[:, :8])
+    int4 = grnnd.encode(base, "int4")
+    with pytest.raises(ValueError, match=r"codes: expected shape \[12000, 48\] \(the int4 codes"):
+        torch.ops.grnnd.search(base, graph, queries, 10, codes=codes.rows, code_grid=int4.grid)
+    with pytest.raises(ValueError, match="int4 codes need at least 2 dimensions"):
+        grnnd.encode(base[:, :1], "int4")
     with pytest.raises(ValueError, match="codes: expected one of"):
         grnnd.encode(base, "int3")
     with pytest.raises(ValueError, match="NaN or infinity"):
         grnnd.encode(torch.tensor([[0.0, float("nan")]]))
 
 
-def test_coded_search_opcheck(sets):
+@pytest.mark.parametrize("kind", KINDS)
+def test_coded_search_opcheck(sets, kind):
     base, queries, graph = sets["l2"]
-    codes = grnnd.encode(base)
+    codes = grnnd.encode(base, kind)
     torch.library.opcheck(torch.ops.grnnd.search.default, (base, graph, queries[:4], 5),
                           {"codes": codes.rows, "code_grid": codes.grid})
 
 
 @cuda
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("metric", METRICS)
-def test_cuda_twin_walks_like_the_cpu(sets, metric):
+def test_cuda_twin_walks_like_the_cpu(sets, metric, kind):
     # Both devices compute the code distances in integers and the same float steps (codes.h),
     # start from the same entry points and re-rank exactly: the results agree up to ties.
     base, queries, graph = sets[metric]
-    codes = grnnd.encode(base, metric=metric)
+    codes = grnnd.encode(base, kind, metric=metric)
     d_cpu, i_cpu = grnnd.search(base, graph, queries, 10, list_size=64, searches=1, metric=metric, codes=codes)
     d_gpu, i_gpu = grnnd.search(base.cuda(), graph.cuda(), queries.cuda(), 10, list_size=64, searches=1,
                                 metric=metric, codes=codes.to("cuda"))
@@ -122,10 +164,11 @@ def test_cuda_twin_walks_like_the_cpu(sets, metric):
 
 
 @cuda
-def test_cuda_coded_search_small_batches_filter_and_host_rows(sets):
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_coded_search_small_batches_filter_and_host_rows(sets, kind):
     base, queries, graph = sets["l2"]
     half = base.half()
-    codes = grnnd.encode(half, device="cuda")
+    codes = grnnd.encode(half, kind, device="cuda")
     g, q = graph.cuda(), queries.half().cuda()
     truth = exact_neighbours(half, queries.half(), 10)[1]
     for batch in (1, 10, 300):  # split searches below a full GPU, one block per query above
@@ -143,10 +186,11 @@ def test_cuda_coded_search_small_batches_filter_and_host_rows(sets):
 
 
 @cuda
-def test_cuda_coded_search_is_capturable():
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_coded_search_is_capturable(kind):
     base = clustered(20_000, 64, 40, seed=5).cuda()
     graph = grnnd.build(base)
-    codes = grnnd.encode(base)
+    codes = grnnd.encode(base, kind)
     q = base[:1].clone()
     eager = grnnd.search(base, graph, q, 10, codes=codes)
     stream = torch.cuda.Stream()
@@ -169,12 +213,14 @@ def _found_at_zero(index, vectors, ids):
     return bool((i[:, 0] == ids).all()) and bool((d[:, 0].abs() < 1e-3).all())
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_index_keeps_its_codes_through_edits_and_saves(device, tmp_path):
+def test_index_keeps_its_codes_through_edits_and_saves(device, kind, tmp_path):
     data = clustered(9_000, 40, 30, seed=7).to(device)
     base, extra, queries = data[:6_000], data[6_000:8_800], data[8_800:]
-    index = grnnd.Index.build(base, codes="int8")
-    assert index.codes is not None and index.codes.rows.shape == (6_000, 48 + 16) and "codes='int8'" in repr(index)
+    index = grnnd.Index.build(base, codes=kind)
+    width = 48 + 16 if kind == "int8" else 32 + 16
+    assert index.codes is not None and index.codes.rows.shape == (6_000, width) and f"codes='{kind}'" in repr(index)
     truth = exact_neighbours(base, queries, 10)[1]
     d, i = index.search(queries, 10)
     assert grnnd.recall(i.cpu(), truth) >= 0.95
@@ -206,19 +252,20 @@ def test_index_keeps_its_codes_through_edits_and_saves(device, tmp_path):
     # Codes dropped and made again.
     index.encode(None)
     assert index.codes is None
-    index.encode("int8")
-    assert index.codes.rows.shape[0] == len(index)
+    index.encode(kind)
+    assert index.codes.rows.shape[0] == len(index) and index.codes.kind == kind
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_merged_indexes_are_coded_on_one_grid(device):
+def test_merged_indexes_are_coded_on_one_grid(device, kind):
     data = clustered(8_200, 32, 20, seed=8).to(device)
-    a = grnnd.Index.build(data[:4_000], codes="int8")
-    b = grnnd.Index.build(data[4_000:8_000] * 1.5, codes="int8")  # another range: a's grid would clamp it
+    a = grnnd.Index.build(data[:4_000], codes=kind)
+    b = grnnd.Index.build(data[4_000:8_000] * 1.5, codes=kind)  # another range: a's grid would clamp it
     union = grnnd.merge(a, b)
-    assert union.codes is not None and union.codes.rows.shape[0] == 8_000
+    assert union.codes is not None and union.codes.rows.shape[0] == 8_000 and union.codes.kind == kind
     rows = union.data
-    assert torch.equal(union.codes.grid, grnnd.codes.fit_grid(rows, "l2"))
+    assert torch.equal(union.codes.grid, grnnd.codes.fit_grid(rows, "l2", kind=kind))
     queries = data[8_000:]
     truth = exact_neighbours(rows, queries, 10)[1]
     assert grnnd.recall(union.search(queries, 10)[1].cpu(), truth) >= 0.95
@@ -227,7 +274,7 @@ def test_merged_indexes_are_coded_on_one_grid(device):
 def test_index_refuses_bad_codes():
     data = clustered(2_000, 16, 5, seed=9)
     with pytest.raises(ValueError, match="codes: expected None or one of"):
-        grnnd.Index.build(data, codes="int4")
+        grnnd.Index.build(data, codes="int2")
     index = grnnd.Index.build(data)
     with pytest.raises(ValueError, match="codes: expected torch_grnnd.Codes"):
         grnnd.Index(data, index.graph, "ip", codes=grnnd.encode(data, metric="l2"))

@@ -47,11 +47,13 @@ def worker(rank: int, world: int, init: str, out: str, device: str):
     restored = grnnd.distributed.ShardedIndex.from_state_dict(sharded.state_dict())
     result["restored_equal"] = torch.equal(restored.search(my_queries, 10, list_size=64)[1].cpu(),
                                            result["sharded"][1])
-    coded = grnnd.distributed.ShardedIndex.build(mine, codes="int8")  # each shard walks by its own codes
-    result["coded"] = coded.search(my_queries, 10, list_size=64)[1].cpu()
-    result["coded_restored_equal"] = torch.equal(
-        grnnd.distributed.ShardedIndex.from_state_dict(coded.state_dict()).search(my_queries, 10, list_size=64)[1].cpu(),
-        result["coded"])
+    for kind in ("int8", "int4"):
+        coded = grnnd.distributed.ShardedIndex.build(mine, codes=kind)  # each shard walks by its own codes
+        result[f"coded_{kind}"] = coded.search(my_queries, 10, list_size=64)[1].cpu()
+        result[f"coded_{kind}_restored_equal"] = torch.equal(
+            grnnd.distributed.ShardedIndex.from_state_dict(coded.state_dict()).search(my_queries, 10,
+                                                                                      list_size=64)[1].cpu(),
+            result[f"coded_{kind}"])
     user = grnnd.distributed.ShardedIndex.build(mine, ids=torch.arange(bounds[rank], bounds[rank + 1]).to(device)
                                                 * 3 + 7)
     result["user_ids"] = user.search(my_queries, 10, list_size=64)[1].cpu()
@@ -101,8 +103,10 @@ def check(results, world):
     one = grnnd.Index.build(data).search(queries, 10, list_size=64)[1]
     assert recall(rows("sharded", 1), truth) >= recall(one, truth) - 0.01
     assert all(r["restored_equal"] for r in results)
-    coded = torch.cat([r["coded"] for r in results])
-    assert recall(coded, truth) >= recall(one, truth) - 0.01 and all(r["coded_restored_equal"] for r in results)
+    for kind in ("int8", "int4"):
+        coded = torch.cat([r[f"coded_{kind}"] for r in results])
+        assert recall(coded, truth) >= recall(one, truth) - 0.01, kind
+        assert all(r[f"coded_{kind}_restored_equal"] for r in results), kind
     user = torch.cat([r["user_ids"] for r in results])
     assert ((user - 7) % 3 == 0).all() and recall((user - 7) // 3, truth) >= recall(one, truth) - 0.01
     # Replicated: every rank gets the same answer for the whole batch, as good as one index's.

@@ -1,15 +1,22 @@
 """Compact codes of the data rows, which the search walks the graph by (``csrc/codes.h``).
 
 A graph search reads a few thousand rows per query, and those bytes bound it. With codes the
-traversal reads one byte per dimension (8-bit scalar codes, ``"int8"``) instead of two or four,
-and the final list is re-ranked by exact distances to the full rows, so the returned distances
-are exact. The trade: the traversal ranks by approximate distances, so a list of the same length
-finds slightly fewer true neighbours, and the codes take ``D`` bytes per row (plus 16 under l2)
-beside the rows. ``benchmarks/README.md`` has the measured curves.
+traversal reads one byte (``"int8"``) or half a byte (``"int4"``) per dimension instead of two or
+four, and the final list is re-ranked by exact distances to the full rows, so the returned
+distances are exact. The trade: the traversal ranks by approximate distances, so a list of the
+same length finds somewhat fewer true neighbours (more so with int4), and the codes take memory
+beside the rows: ``D`` bytes per row for int8 (plus 16 under l2), ``D / 2 + 16`` for int4.
+``benchmarks/README.md`` has the measured curves.
 
-Encoding: per dimension an offset and a step, the rows' minimum and range / 255 (cosine rows
+``"int8"``: per dimension an offset and a step, the rows' minimum and range / 255 (cosine rows
 once normalised); a row's code is ``round((x - offset) / step)`` in [0, 255]. Rows added later
 are encoded on the same grid, clamped where they fall outside it.
+
+``"int4"``: the rows less their centre, turned by a random rotation (so that every coordinate
+carries a similar share), then 4 bits per coordinate on a grid of 16 levels with a step chosen
+per row, and two floats per row for the inner-product estimate of RaBitQ (Gao and Long 2024,
+extended to several bits): exact for the row itself, and unbiased over random rotations in that
+paper's analysis. The grid holds the rotation and the centre; rows added later use both.
 """
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -17,20 +24,36 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-CODE_KINDS = ("int8",)
+CODE_KINDS = ("int8", "int4")
 
 # Rows encoded per step: bounds the float32 copy an encoding makes (about 64 MB at D = 1024).
 _CHUNK_ROWS = 1 << 14
 
 
-def code_dims(dim: int) -> int:
-    """Codes per row, padded to a multiple of 16 (``code_dims`` in csrc/codes.h)."""
-    return (dim + 15) // 16 * 16
+# int4: the rotation's seed (one rotation for every index: codes of two indexes with the same
+# centre are comparable), the step multiples of a row's RMS that the encoder tries, and the
+# levels' half range (codes.h: v = u - 7.5).
+_ROTATION_SEED = 0x5EED
+_INT4_STEPS = torch.linspace(0.16, 0.56, 21).tolist()
+_INT4_HALF_RANGE = 7.5
 
 
-def code_row_bytes(dim: int, metric: str) -> int:
-    """Bytes of one code row: the codes, then under l2 a 16-byte tail with the row's norm term."""
-    return code_dims(dim) + (16 if metric == "l2" else 0)
+def code_dims(dim: int, kind: str = "int8") -> int:
+    """Codes per row, padded to a multiple of 16 (int8) or 32 (int4) (``code_dims`` in csrc/codes.h)."""
+    return (dim + 15) // 16 * 16 if kind == "int8" else (dim + 31) // 32 * 32
+
+
+def code_row_bytes(dim: int, metric: str, kind: str = "int8") -> int:
+    """Bytes of one code row: the codes, then a 16-byte tail: under l2 the row's norm term for
+    int8, the row's scale and norm term for int4 (csrc/codes.h)."""
+    if kind == "int8":
+        return code_dims(dim) + (16 if metric == "l2" else 0)
+    return code_dims(dim, kind) // 2 + 16
+
+
+def grid_kind(grid: Tensor) -> str:
+    """The kind of codes a grid makes: int8's are [2, D], int4's [D + 1, D] (D >= 2)."""
+    return "int8" if grid.shape[0] == 2 else "int4"
 
 
 @dataclass(frozen=True, eq=False)  # tensors have no truth value to compare by
@@ -38,11 +61,11 @@ class Codes:
     """The codes of an index's rows and the grid they were made on.
 
     Attributes:
-        kind: ``"int8"``.
-        metric: the metric they were made for (cosine codes are of normalised rows; l2 codes
-            carry each row's norm term).
-        rows: uint8 [N, code_row_bytes(D, metric)], the search's ``codes``.
-        grid: float32 [2, D], each dimension's offset and step, the search's ``code_grid``.
+        kind: ``"int8"`` or ``"int4"``.
+        metric: the metric they were made for (cosine codes are of normalised rows).
+        rows: uint8 [N, code_row_bytes(D, metric, kind)], the search's ``codes``.
+        grid: float32, the search's ``code_grid``: int8 [2, D], each dimension's offset and
+            step; int4 [D + 1, D], the rotation (transposed) and then the rows' centre.
     """
 
     kind: str
@@ -74,11 +97,21 @@ def _prepared(rows: Tensor, metric: str, device: torch.device) -> Tensor:
     return x
 
 
-def fit_grid(data: Tensor, metric: str = "l2", device: Optional[Union[str, torch.device]] = None) -> Tensor:
-    """float32 [2, D] on ``device`` (data's by default): each dimension's minimum over the rows
-    and its step, the range over 255 (1 where the range is 0: every row then codes to 0)."""
+def fit_grid(data: Tensor, metric: str = "l2", device: Optional[Union[str, torch.device]] = None,
+             kind: str = "int8") -> Tensor:
+    """The grid codes of ``kind`` are made on, fitted to ``data``, on ``device`` (data's by
+    default). int8: float32 [2, D], each dimension's minimum over the rows and its step, the
+    range over 255 (1 where the range is 0: every row then codes to 0). int4: float32
+    [D + 1, D], a random rotation (the same for every index of D dimensions) transposed, then
+    the mean of the rows."""
     device = torch.device(device) if device is not None else data.device
     dim = data.shape[1]
+    if kind == "int4":
+        total = torch.zeros(dim, dtype=torch.float64, device=device)
+        for start in range(0, data.shape[0], _CHUNK_ROWS):
+            total += _prepared(data[start:start + _CHUNK_ROWS], metric, device).sum(0, dtype=torch.float64)
+        centre = (total / max(data.shape[0], 1)).float()
+        return torch.cat([_rotation(dim).to(device), centre[None]])
     low = torch.full((dim,), float("inf"), device=device)
     high = torch.full((dim,), float("-inf"), device=device)
     for start in range(0, data.shape[0], _CHUNK_ROWS):
@@ -91,30 +124,79 @@ def fit_grid(data: Tensor, metric: str = "l2", device: Optional[Union[str, torch
     return torch.stack([low, torch.where(step > 0, step, torch.ones_like(step))])
 
 
+def _rotation(dim: int) -> Tensor:
+    """float32 [D, D]: a random orthogonal matrix (QR of a Gaussian one, signs fixed so that it
+    is uniformly distributed), from a fixed seed on the CPU, so every machine makes the same."""
+    generator = torch.Generator().manual_seed(_ROTATION_SEED)
+    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()
+
+
 def encode_rows(rows: Tensor, grid: Tensor, metric: str) -> Tensor:
-    """uint8 [N, code_row_bytes(D, metric)] on grid's device: the rows coded on ``grid``."""
+    """uint8 [N, code_row_bytes(D, metric, kind)] on grid's device: the rows coded on ``grid``
+    (its shape says the kind, :func:`grid_kind`)."""
+    kind = grid_kind(grid)
     n, dim = rows.shape
     device = grid.device
-    width = code_row_bytes(dim, metric)
-    out = torch.zeros(n, width, dtype=torch.uint8, device=device)
-    offset, step = grid[0], grid[1]
+    out = torch.zeros(n, code_row_bytes(dim, metric, kind), dtype=torch.uint8, device=device)
     for start in range(0, n, _CHUNK_ROWS):
         x = _prepared(rows[start:start + _CHUNK_ROWS], metric, device)
-        levels = ((x - offset) / step).round_().clamp_(0, 255)
         part = out[start:start + x.shape[0]]
-        part[:, :dim] = levels.to(torch.uint8)
-        if metric == "l2":
-            norm = (levels * step).square().sum(1, dtype=torch.float32)
-            part[:, code_dims(dim):code_dims(dim) + 4] = norm.view(torch.uint8).view(-1, 4)
+        if kind == "int8":
+            _encode_int8(x, grid, metric, part)
+        else:
+            _encode_int4(x, grid, part)
     return out
+
+
+def _encode_int8(x: Tensor, grid: Tensor, metric: str, out: Tensor) -> None:
+    dim = x.shape[1]
+    offset, step = grid[0], grid[1]
+    levels = ((x - offset) / step).round_().clamp_(0, 255)
+    out[:, :dim] = levels.to(torch.uint8)
+    if metric == "l2":
+        norm = (levels * step).square().sum(1, dtype=torch.float32)
+        out[:, code_dims(dim):code_dims(dim) + 4] = norm.view(torch.uint8).view(-1, 4)
+
+
+def _encode_int4(x: Tensor, grid: Tensor, out: Tensor) -> None:
+    """Codes of the rows x (prepared) on an int4 grid (csrc/codes.h): r = P (x - c); of the steps
+    tried (multiples of r's RMS), the one whose levels v point closest to r's direction; then
+    alpha = |r|^2 / <v, r> and |r|^2 in the tail."""
+    n, dim = x.shape
+    # In float64, so that a row's codes do not depend on the batch it is coded in (a float32
+    # product's rounding may follow the matrix's shape).
+    r = ((x - grid[dim]).double() @ grid[:dim].double()).float()
+    norm = r.square().sum(1)
+    rms = (norm / dim).sqrt().clamp_min(1e-30)[:, None]
+    best_cos = torch.full((n,), -2.0, device=x.device)
+    best = torch.zeros(n, dim, dtype=torch.uint8, device=x.device)
+    for multiple in _INT4_STEPS:
+        levels = (r / (rms * multiple) + _INT4_HALF_RANGE).round_().clamp_(0, 15)
+        v = levels - _INT4_HALF_RANGE
+        cos = (v * r).sum(1) / (v.norm(dim=1) * norm.sqrt()).clamp_min(1e-30)
+        better = cos > best_cos
+        best_cos = torch.where(better, cos, best_cos)
+        best = torch.where(better[:, None], levels.to(torch.uint8), best)
+    v = best.float() - _INT4_HALF_RANGE
+    inner = (v * r).sum(1)
+    # A row at the centre (r = 0) has no direction: alpha 0 makes its estimate the exact 0.
+    alpha = torch.where(norm > 0, norm / inner.where(inner != 0, torch.ones_like(inner)), torch.zeros_like(norm))
+    padded = torch.zeros(n, code_dims(dim, "int4"), dtype=torch.uint8, device=x.device)
+    padded[:, :dim] = best
+    packed = padded[:, 0::2] | (padded[:, 1::2] << 4)
+    width = packed.shape[1]
+    out[:, :width] = packed
+    out[:, width:width + 8] = torch.stack([alpha, norm], 1).contiguous().view(torch.uint8)
 
 
 def encode(data: Tensor, kind: str = "int8", *, metric: str = "l2", grid: Optional[Tensor] = None,
            device: Optional[Union[str, torch.device]] = None) -> Codes:
     """Codes of the rows of ``data`` for a search under ``metric``: ``kind`` ``"int8"`` (8-bit
-    scalar codes, one byte per dimension). ``grid``: code on this grid (another index's) instead
-    of one fitted to ``data``. ``device``: where the codes go (data's by default), e.g. the GPU
-    for rows kept in pinned host memory.
+    scalar codes, one byte per dimension) or ``"int4"`` (4-bit codes of the rotated rows, half a
+    byte per dimension and 16 bytes per row; needs D >= 2). ``grid``: code on this grid (another
+    index's, of the same kind) instead of one fitted to ``data``. ``device``: where the codes go
+    (data's by default), e.g. the GPU for rows kept in pinned host memory.
 
     Example:
         >>> import torch, torch_grnnd as grnnd
@@ -135,15 +217,19 @@ def encode(data: Tensor, kind: str = "int8", *, metric: str = "l2", grid: Option
                          f"{tuple(data.shape) if isinstance(data, Tensor) else type(data).__name__}")
     if data.shape[0] > 0 and not bool(torch.isfinite(data).all()):
         raise ValueError("data: holds NaN or infinity; codes need finite rows")
+    if kind == "int4" and data.shape[1] < 2:
+        raise ValueError(f"codes: int4 codes need at least 2 dimensions, got {data.shape[1]}")
     if grid is None:
-        grid = fit_grid(data, metric, device)
+        grid = fit_grid(data, metric, device, kind)
     else:
-        check_grid(grid, data.shape[1])
+        check_grid(grid, data.shape[1], kind)
         grid = grid.to(device if device is not None else grid.device)
     return Codes(kind, metric, encode_rows(data, grid, metric), grid)
 
 
-def check_grid(grid: Tensor, dim: int) -> None:
-    if not isinstance(grid, Tensor) or grid.dtype != torch.float32 or tuple(grid.shape) != (2, dim):
-        raise ValueError(f"grid: expected float32 [2, {dim}] (offsets and steps), got "
+def check_grid(grid: Tensor, dim: int, kind: str = "int8") -> None:
+    shape = (2, dim) if kind == "int8" else (dim + 1, dim)
+    what = "offsets and steps" if kind == "int8" else "rotation and centre"
+    if not isinstance(grid, Tensor) or grid.dtype != torch.float32 or tuple(grid.shape) != shape:
+        raise ValueError(f"grid: expected float32 [{shape[0]}, {dim}] ({what}), got "
                          f"{tuple(grid.shape) if isinstance(grid, Tensor) else type(grid).__name__}")

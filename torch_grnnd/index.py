@@ -210,11 +210,12 @@ class Index:
         """Build the graph of ``data`` with :func:`torch_grnnd.build`'s ``params`` and
         ``settings`` (kept in :meth:`state_dict`); ``ids``: optional int64 [N] user ids that
         search returns (distinct); ``progress`` reports the build (not kept). ``codes``:
-        ``"int8"`` keeps 8-bit codes of the rows (:func:`torch_grnnd.encode`, one byte per
-        dimension) that every search walks the graph by, re-ranking its final list by the rows:
-        fewer bytes per distance for codes beside the rows in memory (on the sets measured the
-        same recall at every list size, 1.3-1.9x the queries/s at large batches;
-        benchmarks/README.md); None (the default) walks by the rows. ``device`` and
+        ``"int8"`` or ``"int4"`` keeps codes of the rows (:func:`torch_grnnd.encode`, one byte or
+        half a byte per dimension) that every search walks the graph by, re-ranking its final
+        list by the rows: fewer bytes per distance for codes beside the rows in memory (on the
+        sets measured the same recall at every list size within 0.002, 1.3-1.9x the queries/s
+        at large batches, int4 a further 6-11% on 1M real 384-d rows; benchmarks/README.md);
+        None (the default) walks by the rows. ``device`` and
         ``max_gpu_memory`` build host rows on a GPU within a budget, as :func:`torch_grnnd.build`
         does (in shards where they do not fit); the index keeps the rows and the graph where
         ``data`` is. To search host rows from a GPU, keep them pinned and the graph on the GPU:
@@ -640,11 +641,11 @@ def check_codes_state(state: Any, data: Tensor, metric: str) -> Codes:
     if not isinstance(state, dict) or state.get("kind") not in CODE_KINDS:
         raise ValueError(f"state: codes must be a dict whose kind is one of {CODE_KINDS}")
     rows, grid = state.get("rows"), state.get("grid")
-    width = code_row_bytes(data.shape[1], metric)
+    width = code_row_bytes(data.shape[1], metric, state["kind"])
     if not isinstance(rows, Tensor) or rows.dtype != torch.uint8 or tuple(rows.shape) != (data.shape[0], width):
         raise ValueError(f"state: code rows must be uint8 [{data.shape[0]}, {width}], got "
                          f"{tuple(rows.shape) if isinstance(rows, Tensor) else type(rows).__name__}")
-    check_grid(grid, data.shape[1])
+    check_grid(grid, data.shape[1], state["kind"])
     return Codes(state["kind"], metric, rows, grid.to(rows.device))
 
 

@@ -126,7 +126,7 @@ def search(data: Tensor, graph: Tensor, queries: Tensor, k: Optional[int] = None
         params: the search settings, :class:`~torch_grnnd.SearchParams`.
         metric: must be the metric the graph was built with.
         codes: the rows' compact codes (:func:`torch_grnnd.encode`, same metric), on the
-            queries' device: the walk computes its distances from them, reading a quarter or
+            queries' device: the walk computes its distances from them, reading an eighth to
             half the bytes, and its final list is re-ranked by exact distances to ``data``'s
             rows (which may then lie in pinned host memory: only the list's rows are read).
         **settings: any field of :class:`~torch_grnnd.SearchParams` (``list_size=128``, ...),

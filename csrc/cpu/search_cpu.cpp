@@ -79,28 +79,45 @@ class Visited {
 };
 
 // The rows' codes (codes.h) and one query's terms for them, in the steps the GPU takes
-// (search_cuda.cu, prepare_code_query and team_code_distance), so that both devices compute the
-// same code distances.
+// (search_cuda.cu: rotate_queries_kernel, prepare_code_query, team_code_distance), so that both
+// devices compute the same code distances.
 class CodeDistances {
  public:
   CodeDistances(const SearchCodes& codes, int64_t dim, Metric metric)
       : rows_(codes.codes.data_ptr<uint8_t>()),
-        offset_(codes.grid.data_ptr<float>()),
-        step_(offset_ + dim),
+        grid_(codes.grid.data_ptr<float>()),
+        kind_(codes.kind),
         stride_(codes.codes.size(1)),
         dim_(dim),
-        code_dims_(code_dims(dim)),
+        code_dims_(code_dims(dim, codes.kind)),
+        code_bytes_(code_bytes(dim, codes.kind)),
         metric_(metric),
         hi_(code_dims_),
-        lo_(code_dims_) {}
+        lo_(code_dims_),
+        rotated_(kind_ == CodeKind::kInt4 ? dim : 0) {}
 
   void set_query(const float* q) {
+    // int8: a grid of offsets and steps; int4: the rotation's rows, then the centre (codes.h).
+    const float* offset = kind_ == CodeKind::kInt8 ? grid_ : grid_ + dim_ * dim_;
+    const float* step = grid_ + dim_;
+    if (kind_ == CodeKind::kInt4) {
+      // Row by row of the grid (contiguous reads); each output still sums over d in order.
+      std::fill(rotated_.begin(), rotated_.end(), 0.0f);
+      for (int64_t d = 0; d < dim_; ++d) {
+        const float u = int4_rotation_input(q[d], offset[d], metric_);
+        const float* rotation = grid_ + d * dim_;
+        for (int64_t i = 0; i < dim_; ++i) rotated_[i] = int4_rotation_step(rotated_[i], rotation[i], u);
+      }
+    }
+    const auto term = [&](int64_t d) {
+      return kind_ == CodeKind::kInt8 ? code_query_term(q[d], offset[d], step[d], metric_) : rotated_[d];
+    };
     std::array<float, kCodeConstantLanes> constant{};
     float largest = 0.0f;
     for (int64_t d = 0; d < dim_; ++d) {
-      largest = std::fmax(largest, std::fabs(code_query_term(q[d], offset_[d], step_[d], metric_)));
+      largest = std::fmax(largest, std::fabs(term(d)));
       float& lane = constant[d % kCodeConstantLanes];
-      lane = code_constant_step(lane, q[d], offset_[d], metric_);
+      lane = code_constant_step(lane, q[d], offset[d], metric_);
     }
     for (int offset = kCodeConstantLanes / 2; offset > 0; offset /= 2) {  // the shuffles' xor butterfly
       std::array<float, kCodeConstantLanes> next;
@@ -109,8 +126,10 @@ class CodeDistances {
     }
     scale_ = code_query_scale(largest);
     bias_ = code_bias(constant[0], metric_);
+    level_sum_ = 0;
     for (int64_t d = 0; d < code_dims_; ++d) {
-      const int level = d < dim_ ? code_query_level(code_query_term(q[d], offset_[d], step_[d], metric_), scale_) : 0;
+      const int level = d < dim_ ? code_query_level(term(d), scale_) : 0;
+      level_sum_ += level;
       hi_[d] = static_cast<int8_t>(level >> 8);
       lo_[d] = static_cast<uint8_t>(level & 0xff);
     }
@@ -119,13 +138,26 @@ class CodeDistances {
   float to(int64_t row) const {
     const uint8_t* codes = rows_ + row * stride_;
     int32_t hi_dot = 0, lo_dot = 0;
-    for (int64_t d = 0; d < code_dims_; ++d) {
-      hi_dot += static_cast<int32_t>(hi_[d]) * codes[d];
-      lo_dot += static_cast<int32_t>(lo_[d]) * codes[d];
+    float dist;
+    if (kind_ == CodeKind::kInt8) {
+      for (int64_t d = 0; d < code_dims_; ++d) {
+        hi_dot += static_cast<int32_t>(hi_[d]) * codes[d];
+        lo_dot += static_cast<int32_t>(lo_[d]) * codes[d];
+      }
+      float norm = 0.0f;
+      if (metric_ == Metric::kL2) std::memcpy(&norm, codes + code_bytes_, sizeof(float));
+      dist = code_distance(hi_dot, lo_dot, scale_, bias_, norm, metric_);
+    } else {
+      for (int64_t d = 0; d < code_dims_; ++d) {
+        const int32_t u = (codes[d / 2] >> (4 * (d % 2))) & 0xf;
+        hi_dot += static_cast<int32_t>(hi_[d]) * u;
+        lo_dot += static_cast<int32_t>(lo_[d]) * u;
+      }
+      float alpha, norm;
+      std::memcpy(&alpha, codes + code_bytes_, sizeof(float));
+      std::memcpy(&norm, codes + code_bytes_ + sizeof(float), sizeof(float));
+      dist = int4_code_distance(hi_dot, lo_dot, level_sum_, scale_, bias_, alpha, norm, metric_);
     }
-    float norm = 0.0f;
-    if (metric_ == Metric::kL2) std::memcpy(&norm, codes + code_dims_, sizeof(float));
-    const float dist = code_distance(hi_dot, lo_dot, scale_, bias_, norm, metric_);
     return std::isnan(dist) ? std::numeric_limits<float>::infinity() : dist;
   }
 
@@ -136,13 +168,15 @@ class CodeDistances {
 
  private:
   const uint8_t* rows_;
-  const float* offset_;
-  const float* step_;
-  int64_t stride_, dim_, code_dims_;
+  const float* grid_;
+  CodeKind kind_;
+  int64_t stride_, dim_, code_dims_, code_bytes_;
   Metric metric_;
-  std::vector<int8_t> hi_;
+  std::vector<int8_t> hi_;   // the query's levels by dimension (the GPU keeps int4's by slot)
   std::vector<uint8_t> lo_;
+  std::vector<float> rotated_;  // int4: y, the rotated query
   float scale_ = 1.0f, bias_ = 0.0f;
+  int32_t level_sum_ = 0;
 };
 
 // One thread's scratch for searching, reused across its queries.
@@ -238,6 +272,7 @@ class Searcher {
   SortedList list_, results_;
   std::vector<int32_t> parents_, fresh_;
 };
+
 
 // Runs the search of every query; fills the results, or with `counts` set only the number of
 // distances each query computed.

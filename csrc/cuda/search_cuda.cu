@@ -79,9 +79,11 @@ __device__ __forceinline__ bool hash_insert(uint32_t* table, int bits, uint32_t 
 struct SearchArgs {
   const int32_t* graph;
   const uint8_t* codes;    // null, or the rows' codes (codes.h): the traversal reads them, the rows re-rank
-  const float* code_grid;  // [2, dim]: each dimension's offset, then its step
+  const float* code_grid;  // int8: [2, dim], each dimension's offset, then its step; int4: [dim + 1, dim]
+  const float* rotated;    // int4: [Q, dim], the rotated queries (rotate_queries_kernel)
   int64_t code_stride;     // bytes per code row (code_row_bytes)
-  int code_dims;           // codes per row, padded to a multiple of 16 (code_dims)
+  int code_dims;           // codes per row, padded to a multiple of 16 (int8) or 32 (int4) (code_dims)
+  int code_bytes;          // bytes of those codes, the tail not counted
   const bool* allowed;  // null without a filter
   float* out_dists;     // [Q * searches, k]: the results, or each search's part when split
   int64_t* out_ids;
@@ -116,16 +118,24 @@ struct Scalars {
   int done;        // warp_iterations: no parent left (or max_iters reached)
   float code_scale;  // with codes: the query's scale and bias (codes.h)
   float code_bias;
+  int code_level_sum;  // int4: the sum of the query's levels
   uint32_t parents[kMaxSearchWidth];
 };
 
+// The search kernels' CODE: what the traversal reads.
+constexpr int kUncoded = 0;    // the rows
+constexpr int kCodedInt8 = 8;  // 8-bit codes
+constexpr int kCodedInt4 = 4;  // 4-bit codes of the rotated rows
+
 // The query as the code distances need it (codes.h): its 16-bit terms split into a signed high
-// and an unsigned low byte per dimension (shared memory, code_dims each), its scale and bias.
+// and an unsigned low byte per dimension (shared memory, code_dims each; int4's by
+// int4_query_slot), its scale and bias, and for int4 the sum of its levels.
 struct CodeQuery {
   const uint8_t* hi;
   const uint8_t* lo;
   float scale;
   float bias;
+  int level_sum;
 };
 
 // Four byte products added to c: a's bytes signed, b's unsigned.
@@ -138,16 +148,26 @@ __device__ __forceinline__ int dot4_signed_unsigned(uint32_t a, uint32_t b, int 
 // Code distance of row u to the query (codes.h) by the TEAM lanes of a team, with 16-byte
 // loads of the code row (IN_FLIGHT of them per lane at once, as team_visit_chunks). All lanes
 // of the warp call it together; a team without a row passes valid = false and loads nothing.
-template <int TEAM, int IN_FLIGHT>
+template <int CODE, int TEAM, int IN_FLIGHT>
 __device__ __forceinline__ float team_code_distance(const SearchArgs& a, const CodeQuery& cq, uint32_t u, bool valid,
                                                     int rank) {
   const uint8_t* row = a.codes + static_cast<int64_t>(u) * a.code_stride;
   const uint4* codes = reinterpret_cast<const uint4*>(row);
   const uint4* hi = reinterpret_cast<const uint4*>(cq.hi);
   const uint4* lo = reinterpret_cast<const uint4*>(cq.lo);
-  const int chunks = valid ? a.code_dims / 16 : 0;
+  const int chunks = valid ? a.code_bytes / 16 : 0;
   int hi_dot = 0;
   unsigned lo_dot = 0u;
+  // int4: the 8 codes of a word, its even dimensions (low nibbles) and its odd ones, against the
+  // 8 query terms int4_query_slot put in that order.
+  const auto add_int4_word = [&](uint32_t word, uint32_t hi_even, uint32_t hi_odd, uint32_t lo_even,
+                                 uint32_t lo_odd) {
+    const uint32_t even = word & 0x0f0f0f0fu, odd = (word >> 4) & 0x0f0f0f0fu;
+    hi_dot = dot4_signed_unsigned(hi_even, even, hi_dot);
+    hi_dot = dot4_signed_unsigned(hi_odd, odd, hi_dot);
+    lo_dot = __dp4a(lo_even, even, lo_dot);
+    lo_dot = __dp4a(lo_odd, odd, lo_dot);
+  };
 #pragma unroll 1
   for (int first = rank; first < chunks; first += IN_FLIGHT * TEAM) {
     uint4 c[IN_FLIGHT];
@@ -159,24 +179,41 @@ __device__ __forceinline__ float team_code_distance(const SearchArgs& a, const C
     for (int k = 0; k < IN_FLIGHT; ++k) {
       const int at = first + k * TEAM;
       if (at < chunks) {
-        const uint4 h = hi[at], l = lo[at];
-        hi_dot = dot4_signed_unsigned(h.x, c[k].x, hi_dot);
-        hi_dot = dot4_signed_unsigned(h.y, c[k].y, hi_dot);
-        hi_dot = dot4_signed_unsigned(h.z, c[k].z, hi_dot);
-        hi_dot = dot4_signed_unsigned(h.w, c[k].w, hi_dot);
-        lo_dot = __dp4a(l.x, c[k].x, lo_dot);
-        lo_dot = __dp4a(l.y, c[k].y, lo_dot);
-        lo_dot = __dp4a(l.z, c[k].z, lo_dot);
-        lo_dot = __dp4a(l.w, c[k].w, lo_dot);
+        if constexpr (CODE == kCodedInt8) {
+          const uint4 h = hi[at], l = lo[at];
+          hi_dot = dot4_signed_unsigned(h.x, c[k].x, hi_dot);
+          hi_dot = dot4_signed_unsigned(h.y, c[k].y, hi_dot);
+          hi_dot = dot4_signed_unsigned(h.z, c[k].z, hi_dot);
+          hi_dot = dot4_signed_unsigned(h.w, c[k].w, hi_dot);
+          lo_dot = __dp4a(l.x, c[k].x, lo_dot);
+          lo_dot = __dp4a(l.y, c[k].y, lo_dot);
+          lo_dot = __dp4a(l.z, c[k].z, lo_dot);
+          lo_dot = __dp4a(l.w, c[k].w, lo_dot);
+        } else {  // 32 codes a chunk: 32 query terms, two 16-byte loads of each byte array
+          const uint4 h0 = hi[2 * at], h1 = hi[2 * at + 1], l0 = lo[2 * at], l1 = lo[2 * at + 1];
+          add_int4_word(c[k].x, h0.x, h0.y, l0.x, l0.y);
+          add_int4_word(c[k].y, h0.z, h0.w, l0.z, l0.w);
+          add_int4_word(c[k].z, h1.x, h1.y, l1.x, l1.y);
+          add_int4_word(c[k].w, h1.z, h1.w, l1.z, l1.w);
+        }
       }
     }
   }
   hi_dot = team_sum<TEAM>(hi_dot);
   lo_dot = team_sum<TEAM>(lo_dot);
-  // Loaded after the sums on purpose: loading it before the chunks cost the coded search at
-  // batch 10 000 3-5% and gained a batch of 1 nothing (H200, 1M x 384 real rows; not profiled).
-  const float norm = a.metric == Metric::kL2 && valid ? __ldg(reinterpret_cast<const float*>(row + a.code_dims)) : 0.0f;
-  return code_distance(hi_dot, static_cast<int32_t>(lo_dot), cq.scale, cq.bias, norm, a.metric);
+  // The tail is loaded after the sums on purpose: loading int8's norm before the chunks cost the
+  // coded search at batch 10 000 3-5% and gained a batch of 1 nothing (H200, 1M x 384 real rows;
+  // not profiled).
+  const float* tail = reinterpret_cast<const float*>(row + a.code_bytes);
+  if constexpr (CODE == kCodedInt8) {
+    const float norm = a.metric == Metric::kL2 && valid ? __ldg(tail) : 0.0f;
+    return code_distance(hi_dot, static_cast<int32_t>(lo_dot), cq.scale, cq.bias, norm, a.metric);
+  } else {
+    const float alpha = valid ? __ldg(tail) : 0.0f;
+    const float norm = a.metric == Metric::kL2 && valid ? __ldg(tail + 1) : 0.0f;
+    return int4_code_distance(hi_dot, static_cast<int32_t>(lo_dot), cq.level_sum, cq.scale, cq.bias, alpha, norm,
+                              a.metric);
+  }
 }
 
 // The exact distance of data row u to the query by the TEAM lanes of a team (same calling rules
@@ -199,9 +236,9 @@ static_assert(sizeof(Scalars) <= kStaticShared, "Scalars outgrew its shared-memo
 
 // Team-cooperative distances of cand[0, n) to the query into cand_d (seed 002: warp-cooperative
 // distance with 16-byte loads; the team size is matched to the row so that short rows do not
-// idle most of a warp): from the codes when CODED, else exact. Called by the whole block; no
+// idle most of a warp): from the codes when CODE, else exact. Called by the whole block; no
 // barrier inside. IN_FLIGHT: chunks of a row each lane loads at once (team_visit).
-template <typename T, int TEAM, bool CODED, int IN_FLIGHT = 1>
+template <typename T, int TEAM, int CODE, int IN_FLIGHT = 1>
 __device__ __forceinline__ void compute_distances(const SearchArgs& a, const T* __restrict__ x,
                                                   const T* __restrict__ query, const CodeQuery& cq, int n,
                                                   float* cand_d, const uint32_t* cand_i) {
@@ -216,8 +253,8 @@ __device__ __forceinline__ void compute_distances(const SearchArgs& a, const T* 
     const bool valid = c < n;
     const uint32_t u = valid ? cand_i[c] : 0u;
     float dist;
-    if constexpr (CODED) {
-      dist = team_code_distance<TEAM, IN_FLIGHT>(a, cq, u, valid, rank);
+    if constexpr (CODE != kUncoded) {
+      dist = team_code_distance<CODE, TEAM, IN_FLIGHT>(a, cq, u, valid, rank);
       if (isnan(dist)) dist = std::numeric_limits<float>::infinity();
     } else {
       dist = exact_distance<T, TEAM, IN_FLIGHT>(a, x, query, u, valid, rank);
@@ -229,7 +266,7 @@ __device__ __forceinline__ void compute_distances(const SearchArgs& a, const T* 
 // Computes the distances of cand[0, n) (ids already written), sorts them, and merges them into
 // the list (and the allowed ones into the result list). Entered after a __syncthreads that
 // published cand ids and s.n_cand; returns after one (or at once, with nothing to do).
-template <typename T, int TEAM, bool CODED>
+template <typename T, int TEAM, int CODE>
 __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query,
                                    const CodeQuery& cq, Scalars& s, float* list_d, uint32_t* list_i, float* res_d, uint32_t* res_i,
                                    float* cand_d, uint32_t* cand_i) {
@@ -241,7 +278,7 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
   }
   if (tid == 0) s.evaluated += n;  // thread 0 alone writes and reads it
   const int n_sort = next_pow2(n);  // <= cand_cap, which is a power of two >= n
-  compute_distances<T, TEAM, CODED>(a, x, query, cq, n, cand_d, cand_i);
+  compute_distances<T, TEAM, CODE>(a, x, query, cq, n, cand_d, cand_i);
   for (int c = n + tid; c < n_sort; c += blockDim.x) {
     cand_d[c] = std::numeric_limits<float>::infinity();
     cand_i[c] = kEmptyId;
@@ -289,7 +326,7 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
 // The iterations in general (any list, round or filter), the block sharing the work: parent
 // choice, expansion, distances, sort and merge each take the whole block, with barriers
 // between them. Entered after the entry points were merged into the list.
-template <typename T, int TEAM, bool CODED>
+template <typename T, int TEAM, int CODE>
 __device__ void block_iterations(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query,
                                  const CodeQuery& cq, Scalars& s, float* list_d, uint32_t* list_i, float* res_d, uint32_t* res_i,
                                  float* cand_d, uint32_t* cand_i, uint32_t* table) {
@@ -353,7 +390,7 @@ __device__ void block_iterations(const SearchArgs& a, const T* __restrict__ x, c
       }
     }
     __syncthreads();
-    evaluate_and_merge<T, TEAM, CODED>(a, x, query, cq, s, list_d, list_i, res_d, res_i, cand_d, cand_i);
+    evaluate_and_merge<T, TEAM, CODE>(a, x, query, cq, s, list_d, list_i, res_d, res_i, cand_d, cand_i);
   }
 }
 
@@ -367,7 +404,7 @@ __device__ void block_iterations(const SearchArgs& a, const T* __restrict__ x, c
 // barrier stalls dominate). Same
 // algorithm, same expansions and the same list as block_iterations. Entered after the entry
 // points were merged into list_d/list_i; leaves the final list there, after a __syncthreads.
-template <typename T, int TEAM, bool CODED, int ROWS>
+template <typename T, int TEAM, int CODE, int ROWS>
 __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query,
                                 const CodeQuery& cq, Scalars& s, float* list_d, uint32_t* list_i, float* cand_d, uint32_t* cand_i,
                                 uint32_t* table) {
@@ -453,7 +490,7 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
     __syncthreads();  // candidates published
     if (s.done) break;  // block-uniform
     const int n = s.n_cand;
-    compute_distances<T, TEAM, CODED, kWarpLoopChunksInFlight>(a, x, query, cq, n, cand_d, cand_i);
+    compute_distances<T, TEAM, CODE, kWarpLoopChunksInFlight>(a, x, query, cq, n, cand_d, cand_i);
     __syncthreads();  // distances published; no warp reads cand, n_cand or done again before the next barrier
     if (tid < kWarpSize) {
       // Only a candidate before the list's last kept key can enter the list; the others are
@@ -511,32 +548,40 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
 // With codes, each block turns its query into the code terms (codes.h) in shared memory: warp 0
 // alone, so that the constant is summed in the order the CPU follows (kCodeConstantLanes).
 // Published by the caller's next __syncthreads.
-template <typename T>
-__device__ void prepare_code_query(const SearchArgs& a, const T* __restrict__ query, Scalars& s, uint8_t* hi,
-                                   uint8_t* lo) {
+template <int CODE, typename T>
+__device__ void prepare_code_query(const SearchArgs& a, const T* __restrict__ query, int64_t qi, Scalars& s,
+                                   uint8_t* hi, uint8_t* lo) {
   const int lane = threadIdx.x;
   if (lane >= kWarpSize) return;
-  const float* offset = a.code_grid;
+  // int8: each dimension's offset and step; int4: the centre, and the rotated query's terms.
+  const float* offset = CODE == kCodedInt8 ? a.code_grid : a.code_grid + static_cast<int64_t>(a.dim) * a.dim;
   const float* step = a.code_grid + a.dim;
+  const float* rotated = CODE == kCodedInt4 ? a.rotated + qi * a.dim : nullptr;
+  const auto term = [&](int d) {
+    return CODE == kCodedInt8 ? code_query_term(static_cast<float>(query[d]), offset[d], step[d], a.metric)
+                              : rotated[d];
+  };
   float largest = 0.0f, constant = 0.0f;
   for (int d = lane; d < a.dim; d += kWarpSize) {
-    const float q = static_cast<float>(query[d]);
-    largest = fmaxf(largest, fabsf(code_query_term(q, offset[d], step[d], a.metric)));
-    constant = code_constant_step(constant, q, offset[d], a.metric);
+    largest = fmaxf(largest, fabsf(term(d)));
+    constant = code_constant_step(constant, static_cast<float>(query[d]), offset[d], a.metric);
   }
   largest = team_max<kWarpSize>(largest);
   constant = team_sum<kWarpSize>(constant);
   const float scale = code_query_scale(largest);
+  int level_sum = 0;
   for (int d = lane; d < a.code_dims; d += kWarpSize) {
-    const int level =
-        d < a.dim ? code_query_level(code_query_term(static_cast<float>(query[d]), offset[d], step[d], a.metric), scale)
-                  : 0;
-    hi[d] = static_cast<uint8_t>(static_cast<uint32_t>(level >> 8) & 0xffu);
-    lo[d] = static_cast<uint8_t>(static_cast<uint32_t>(level) & 0xffu);
+    const int level = d < a.dim ? code_query_level(term(d), scale) : 0;
+    level_sum += level;
+    const int64_t slot = CODE == kCodedInt8 ? d : int4_query_slot(d);
+    hi[slot] = static_cast<uint8_t>(static_cast<uint32_t>(level >> 8) & 0xffu);
+    lo[slot] = static_cast<uint8_t>(static_cast<uint32_t>(level) & 0xffu);
   }
+  level_sum = team_sum<kWarpSize>(level_sum);  // integers: any order gives the CPU's sum
   if (lane == 0) {
     s.code_scale = scale;
     s.code_bias = code_bias(constant, a.metric);
+    s.code_level_sum = level_sum;
   }
 }
 
@@ -562,18 +607,19 @@ __device__ void rerank(const SearchArgs& a, const T* __restrict__ x, const T* __
 }
 
 // One search per block. ROWS > 0: the list lives in warp 0's registers (warp_iterations, ROWS
-// rows of 32 keys); 0: block_iterations. CODED: the traversal's distances come from the codes
+// rows of 32 keys); 0: block_iterations. CODE (kUncoded, kCodedInt8, kCodedInt4): with codes the
+// traversal's distances come from them
 // and the final list is re-ranked by exact ones. Each variant is a kernel of its own (below), so
 // that each is compiled for the registers it needs.
-template <typename T, int TEAM, bool CODED, int ROWS>
+template <typename T, int TEAM, int CODE, int ROWS>
 __device__ __forceinline__ void search_block(const T* __restrict__ x, const T* __restrict__ queries,
                                              const SearchArgs& a) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ Scalars s;
   // The code query first: its arrays are multiples of 16 bytes, so the rest stays aligned.
   uint8_t* code_hi = smem;
-  uint8_t* code_lo = code_hi + (CODED ? a.code_dims : 0);
-  float* list_d = reinterpret_cast<float*>(code_lo + (CODED ? a.code_dims : 0));
+  uint8_t* code_lo = code_hi + (CODE != kUncoded ? a.code_dims : 0);
+  float* list_d = reinterpret_cast<float*>(code_lo + (CODE != kUncoded ? a.code_dims : 0));
   uint32_t* list_i = reinterpret_cast<uint32_t*>(list_d + a.list_cap);
   float* res_d = reinterpret_cast<float*>(list_i + a.list_cap);
   uint32_t* res_i = reinterpret_cast<uint32_t*>(res_d + a.result_cap);
@@ -600,9 +646,10 @@ __device__ __forceinline__ void search_block(const T* __restrict__ x, const T* _
     s.hash_count = 0;
     s.evaluated = 0;
   }
-  if constexpr (CODED) prepare_code_query(a, query, s, code_hi, code_lo);
+  if constexpr (CODE != kUncoded) prepare_code_query<CODE>(a, query, qi, s, code_hi, code_lo);
   __syncthreads();
-  const CodeQuery cq{code_hi, code_lo, CODED ? s.code_scale : 0.0f, CODED ? s.code_bias : 0.0f};
+  const CodeQuery cq{code_hi, code_lo, CODE != kUncoded ? s.code_scale : 0.0f,
+                      CODE != kUncoded ? s.code_bias : 0.0f, CODE != kUncoded ? s.code_level_sum : 0};
 
   // Entry points: the query's nearest hubs, then the CPU's draws, counter (query, search, e);
   // repeats are dropped by the hash.
@@ -614,17 +661,17 @@ __device__ __forceinline__ void search_block(const T* __restrict__ x, const T* _
     if (hash_insert(table, a.hash_bits, id, &s.hash_count)) cand_i[atomicAdd(&s.n_cand, 1)] = id;
   }
   __syncthreads();
-  evaluate_and_merge<T, TEAM, CODED>(a, x, query, cq, s, list_d, list_i, res_d, res_i, cand_d, cand_i);
+  evaluate_and_merge<T, TEAM, CODE>(a, x, query, cq, s, list_d, list_i, res_d, res_i, cand_d, cand_i);
 
   if constexpr (ROWS > 0) {
-    warp_iterations<T, TEAM, CODED, ROWS>(a, x, query, cq, s, list_d, list_i, cand_d, cand_i, table);
+    warp_iterations<T, TEAM, CODE, ROWS>(a, x, query, cq, s, list_d, list_i, cand_d, cand_i, table);
   } else {
-    block_iterations<T, TEAM, CODED>(a, x, query, cq, s, list_d, list_i, res_d, res_i, cand_d, cand_i, table);
+    block_iterations<T, TEAM, CODE>(a, x, query, cq, s, list_d, list_i, res_d, res_i, cand_d, cand_i, table);
   }
 
   float* best_d = a.allowed != nullptr ? res_d : list_d;
   uint32_t* best_i = a.allowed != nullptr ? res_i : list_i;
-  if constexpr (CODED) {
+  if constexpr (CODE != kUncoded) {
     rerank<T, TEAM>(a, x, query, best_d, best_i, a.allowed != nullptr ? a.kept : a.list_size,
                     a.allowed != nullptr ? a.result_cap : a.list_cap);
   }
@@ -639,10 +686,10 @@ __device__ __forceinline__ void search_block(const T* __restrict__ x, const T* _
 }
 
 // The general loop, with the register budget ptxas picks for kMaxThreads (53-64 registers on sm_90).
-template <typename T, int TEAM, bool CODED>
+template <typename T, int TEAM, int CODE>
 __global__ void __launch_bounds__(kMaxThreads)
     search_kernel(const T* __restrict__ x, const T* __restrict__ queries, const SearchArgs a) {
-  search_block<T, TEAM, CODED, 0>(x, queries, a);
+  search_block<T, TEAM, CODE, 0>(x, queries, a);
 }
 
 // The warp loop, bounded to 64 registers (two blocks of kMaxThreads per SM): with
@@ -650,10 +697,10 @@ __global__ void __launch_bounds__(kMaxThreads)
 // resident blocks of a large batch; at 64 it spills a few bytes (ptxas -v, sm_90). The bound is
 // the kernel's own: under it the general loop ran 5% slower at list 256 (467K against 490K q/s,
 // 1M x 384 float16, H200).
-template <typename T, int TEAM, bool CODED, int ROWS>
+template <typename T, int TEAM, int CODE, int ROWS>
 __global__ void __launch_bounds__(kMaxThreads, 2)
     warp_search_kernel(const T* __restrict__ x, const T* __restrict__ queries, const SearchArgs a) {
-  search_block<T, TEAM, CODED, ROWS>(x, queries, a);
+  search_block<T, TEAM, CODE, ROWS>(x, queries, a);
 }
 
 // Merges the `searches` sorted parts of k results of each query (one block per query) into its
@@ -727,6 +774,20 @@ int searches_for_batch(int64_t queries, int sms, int k) {
   return static_cast<int>(std::min<int64_t>(std::max<int64_t>(fill, kMinSplit), max_searches_for_k(k)));
 }
 
+// The team of the warp loop's code distances: the smallest whose lanes each load at most
+// kWarpLoopChunksInFlight chunks of a code row, so that a row is one round trip and a warp
+// takes as many rows at once as that allows. It differs from team_for_row only for rows of 129
+// to 256 bytes (4 lanes, not 8): on the H200 (1M x 384 real rows, batch 10 000, lists 32-96) the
+// 192-byte int4 rows ran 15-27% faster with 4 lanes than with 8 at the same recall (2.21M against
+// 1.93M q/s at list 64), while 384-byte int8 rows ran alike with 4 or 8. Full rows keep
+// team_for_row: rows of that length were not measured with 4.
+int warp_loop_code_team(int64_t row_bytes) {
+  const int64_t chunks = (row_bytes + 15) / 16;
+  int team = 4;
+  while (team < kWarpSize && chunks > static_cast<int64_t>(team) * kWarpLoopChunksInFlight) team *= 2;
+  return team;
+}
+
 size_t shared_bytes(const SearchArgs& a, int hash_bits) {
   return (a.codes != nullptr ? 2 * static_cast<size_t>(a.code_dims) : 0) +
          sizeof(float) * 2 * (static_cast<size_t>(a.list_cap) + a.result_cap + a.cand_cap) +
@@ -739,11 +800,11 @@ int log2_of(int64_t pow2) {
   return b;
 }
 
-template <typename T, int TEAM, bool CODED>
+template <typename T, int TEAM, int CODE>
 void launch(const T* x, const at::Tensor& q, const SearchArgs& a, int threads, size_t smem, cudaStream_t stream) {
-  auto kernel = a.warp_rows == 2   ? warp_search_kernel<T, TEAM, CODED, 2>
-                : a.warp_rows == 4 ? warp_search_kernel<T, TEAM, CODED, 4>
-                                   : search_kernel<T, TEAM, CODED>;
+  auto kernel = a.warp_rows == 2   ? warp_search_kernel<T, TEAM, CODE, 2>
+                : a.warp_rows == 4 ? warp_search_kernel<T, TEAM, CODE, 4>
+                                   : search_kernel<T, TEAM, CODE>;
   if (smem + kStaticShared > 48 * 1024) {
     // Above the default 48 KiB (static + dynamic) the kernel must opt in; a host-side
     // attribute, no sync, so it is also allowed while a CUDA graph is being captured.
@@ -812,6 +873,73 @@ class QueryCheck {
   int64_t rows_ = 0;
 };
 
+// int4 codes: y = P u of every query (codes.h; u = q - c under l2, q otherwise), summed over d in
+// order (int4_rotation_step) as the CPU sums it. A block takes QUERIES queries and kRotateThreads
+// output dimensions, one a thread; the queries are staged in shared memory kRotateDims dimensions
+// at a time, and the grid's row d is read at the block's outputs (coalesced). A batch of 1 takes
+// dim / 128 blocks of one query; larger batches 16 queries a block, so that the D x D rotation is
+// read once per 16 queries.
+constexpr int kRotateThreads = 128, kRotateDims = 128;
+
+template <typename T, int QUERIES>
+__global__ void __launch_bounds__(kRotateThreads)
+    rotate_queries_kernel(const T* __restrict__ queries, int64_t nq, int dim, const float* __restrict__ grid,
+                          Metric metric, float* __restrict__ out) {
+  __shared__ float staged[QUERIES][kRotateDims];
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * QUERIES;
+  const int count = static_cast<int>(std::min<int64_t>(QUERIES, nq - first));
+  const int i = blockIdx.y * kRotateThreads + threadIdx.x;
+  const float* centre = grid + static_cast<int64_t>(dim) * dim;
+  float acc[QUERIES] = {};
+  for (int d0 = 0; d0 < dim; d0 += kRotateDims) {
+    const int width = dim - d0 < kRotateDims ? dim - d0 : kRotateDims;
+    __syncthreads();  // the previous tile is read
+    for (int e = threadIdx.x; e < QUERIES * kRotateDims; e += kRotateThreads) {
+      const int k = e / kRotateDims, d = e % kRotateDims;
+      staged[k][d] = k < count && d < width
+                         ? int4_rotation_input(static_cast<float>(queries[(first + k) * dim + d0 + d]),
+                                               centre[d0 + d], metric)
+                         : 0.0f;
+    }
+    __syncthreads();
+    if (i < dim) {
+      for (int d = 0; d < width; ++d) {
+        const float r = grid[static_cast<int64_t>(d0 + d) * dim + i];
+#pragma unroll
+        for (int k = 0; k < QUERIES; ++k) acc[k] = int4_rotation_step(acc[k], r, staged[k][d]);
+      }
+    }
+  }
+  if (i < dim) {
+#pragma unroll
+    for (int k = 0; k < QUERIES; ++k) {
+      if (k < count) out[(first + k) * dim + i] = acc[k];
+    }
+  }
+}
+
+// Batches below this many queries rotate one query a block (more blocks, no idle sums).
+constexpr int64_t kRotateOneQueryBelow = 64;
+
+template <typename T>
+at::Tensor rotate_queries(const at::Tensor& q, const at::Tensor& grid, Metric metric, cudaStream_t stream) {
+  const int64_t nq = q.size(0);
+  const int dim = static_cast<int>(q.size(1));
+  at::Tensor out = at::empty({nq, dim}, q.options().dtype(at::kFloat));
+  const unsigned column_blocks = static_cast<unsigned>((dim + kRotateThreads - 1) / kRotateThreads);
+  if (nq < kRotateOneQueryBelow) {
+    rotate_queries_kernel<T, 1><<<dim3(static_cast<unsigned>(nq), column_blocks), kRotateThreads, 0, stream>>>(
+        q.data_ptr<T>(), nq, dim, grid.data_ptr<float>(), metric, out.data_ptr<float>());
+  } else {
+    constexpr int kQueries = 16;
+    rotate_queries_kernel<T, kQueries>
+        <<<dim3(static_cast<unsigned>((nq + kQueries - 1) / kQueries), column_blocks), kRotateThreads, 0, stream>>>(
+            q.data_ptr<T>(), nq, dim, grid.data_ptr<float>(), metric, out.data_ptr<float>());
+  }
+  check_launch();
+  return out;
+}
+
 // Runs the search of every query (checked, parsed arguments); with `counts` defined, also adds
 // up the distances each query computed there.
 std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::Tensor& graph,
@@ -853,7 +981,8 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
     a.codes = codes.codes.data_ptr<uint8_t>();
     a.code_grid = codes.grid.data_ptr<float>();
     a.code_stride = codes.codes.size(1);
-    a.code_dims = static_cast<int>(code_dims(data.size(1)));
+    a.code_dims = static_cast<int>(code_dims(data.size(1), codes.kind));
+    a.code_bytes = static_cast<int>(code_bytes(data.size(1), codes.kind));
   }
   a.counts = counts.defined() ? counts.data_ptr<int32_t>() : nullptr;
   a.allowed = filter.has_value() ? allowed.data_ptr<bool>() : nullptr;
@@ -909,26 +1038,36 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   a.out_ids = part_ids.data_ptr<int64_t>();
 
   const int threads = pick_threads(nq * a.searches, sms, a.list_cap);
+  at::Tensor rotated;  // int4: the rotated queries
   // The team fits the rows the traversal reads: the codes where there are codes.
-  const int team = team_for_row(a.codes != nullptr ? a.code_dims : static_cast<int64_t>(a.dim) * x.element_size());
+  const int team = a.codes != nullptr && a.warp_rows > 0 ? warp_loop_code_team(a.code_bytes)
+                                                          : team_for_row(a.codes != nullptr ? a.code_bytes
+                                                                                            : static_cast<int64_t>(a.dim) *
+                                                                                                  x.element_size());
   GRNND_DISPATCH_STORAGE(x.scalar_type(), "search_cuda", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "search_cuda: float64 storage should have been narrowed by prepare_vectors");
     } else {
       const auto* x_rows = static_cast<const scalar_t*>(rows);
-      const auto launch_for = [&](auto coded) {
-        constexpr bool kCoded = decltype(coded)::value;
+      const auto launch_for = [&](auto code) {
+        constexpr int kCode = decltype(code)::value;
         switch (team) {
-          case 4: launch<scalar_t, 4, kCoded>(x_rows, q, a, threads, smem, stream); break;
-          case 8: launch<scalar_t, 8, kCoded>(x_rows, q, a, threads, smem, stream); break;
-          case 16: launch<scalar_t, 16, kCoded>(x_rows, q, a, threads, smem, stream); break;
-          default: launch<scalar_t, 32, kCoded>(x_rows, q, a, threads, smem, stream); break;
+          case 4: launch<scalar_t, 4, kCode>(x_rows, q, a, threads, smem, stream); break;
+          case 8: launch<scalar_t, 8, kCode>(x_rows, q, a, threads, smem, stream); break;
+          case 16: launch<scalar_t, 16, kCode>(x_rows, q, a, threads, smem, stream); break;
+          default: launch<scalar_t, 32, kCode>(x_rows, q, a, threads, smem, stream); break;
         }
       };
-      if (a.codes != nullptr) {
-        launch_for(std::true_type{});
+      if (a.codes == nullptr) {
+        launch_for(std::integral_constant<int, kUncoded>{});
+      } else if (codes.kind == CodeKind::kInt8) {
+        launch_for(std::integral_constant<int, kCodedInt8>{});
       } else {
-        launch_for(std::false_type{});
+        // The rotated queries live until the search kernel, queued behind this, has read them
+        // (the caching allocator reuses their block only for work queued later on the stream).
+        rotated = rotate_queries<scalar_t>(q, codes.grid, a.metric, stream);
+        a.rotated = rotated.data_ptr<float>();
+        launch_for(std::integral_constant<int, kCodedInt4>{});
       }
     }
   });
