@@ -12,17 +12,24 @@ Data families, made on the GPU in float16, with 1000 held-out queries drawn the 
          rows, as real collections are;
   aniso  no clusters: independent Gaussian coordinates whose scales fall geometrically from 1
          to 10^-1.5 across the dimensions (one cluster label for all rows), where the hubs'
-         cells say little and neighbourhoods are hard to find.
+         cells say little and neighbourhoods are hard to find;
+  zipf_aniso  zipf's cluster sizes with anisotropic noise, every cluster with scales of its own
+         per dimension (log-uniform over 10^-1 .. 10^0.25), and centres close enough (spread by
+         1.5) that clusters overlap: rare categories next to common ones.
+Two query sets per set, 1000 queries each: "in", drawn like the rows (mostly from the big
+clusters), and "rare", from clusters chosen uniformly (most clusters are small, so these are the
+rare categories a search must not miss; for blobs and aniso the two are alike).
 For each set and build configuration (build settings as "name=value,..."; "" = the defaults):
 build time (CUDA events), rounds run and the pool entries each changed, the out-degree
 summary, the share of rows a search cannot reach from the hubs (breadth-first search), and
-recall@10 against exact results (torch_grnnd.knn) and queries/s (batch 10 000) at each list of
+recall@10 of both query sets against exact results (torch_grnnd.knn) and queries/s (batch
+10 000, the in queries) at each list of
 --lists (32, 64 and 128 by default), with the default entry points and with random ones only
 (hub_entries=0), the distances a query computes at each list (and HNSW's, for comparisons at
 equal work), recall at list 64 by the size of the query's cluster with the share of results in
 that cluster (lost between clusters, or inside a large one), and the peak GPU memory of the
-build beyond the data. Writes scale_<name>.{json,md,png} (the PNG: recall at list 64 against N,
-with faiss HNSW where --hnsw asked for it).
+build beyond the data. Writes scale_<name>.{json,md,png} (the PNG: recall at list 64 against N
+per family, both query sets, with faiss HNSW where --hnsw asked for it).
 """
 import argparse
 import json
@@ -52,33 +59,66 @@ def parse_sets(spec: str) -> list:
     return sets
 
 
-def make_set(family: str, n: int, d: int, seed: int = 0, chunk: int = 1 << 20, want_labels: bool = False,
-             queries: int = QUERIES):
-    """(base, queries) float16 on the GPU; rows made chunk by chunk (10M x 1024 is 20 GB). With
-    ``want_labels``, also the cluster of every row: (base, queries, base_labels, query_labels)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    clusters = max(n // 1000, 10)
-    centres = torch.randn(clusters, d, generator=g, device="cuda") * 3
-    total = n + queries
-    if family == "blobs":
-        labels = torch.randint(clusters, (total,), generator=g, device="cuda")
-    elif family == "zipf":
-        weights = 1.0 / torch.arange(1, clusters + 1, device="cuda", dtype=torch.float64)
-        labels = torch.multinomial(weights.float(), total, replacement=True, generator=g)
-    elif family == "aniso":
-        labels = torch.zeros(total, dtype=torch.int64, device="cuda")
-        centres = torch.zeros(1, d, device="cuda")
-    else:
+FAMILIES = ("blobs", "zipf", "aniso", "zipf_aniso")
+
+
+def _clusters(family: str, n: int, d: int, g: torch.Generator, device):
+    """The family's clusters, drawn first from ``g`` (so a generator of the same seed draws them
+    again): (centres [C, D], per-cluster noise scales [C, D] or a scalar / [D], cluster weights
+    [C] for the rows' labels, None for uniform)."""
+    if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}")
-    scales = torch.logspace(0, -1.5, d, device="cuda") if family == "aniso" else 1.0
-    x = torch.empty(total, d, dtype=torch.float16, device="cuda")
-    for start in range(0, total, chunk):
-        end = min(total, start + chunk)
-        noise = torch.randn(end - start, d, generator=g, device="cuda") * scales
-        x[start:end] = (centres[labels[start:end]] + noise).half()
+    clusters = max(n // 1000, 10)
+    centres = torch.randn(clusters, d, generator=g, device=device) * (1.5 if family == "zipf_aniso" else 3)
+    if family == "aniso":  # the centres above are drawn all the same, so that the rows stay those of earlier runs
+        return torch.zeros(1, d, device=device), torch.logspace(0, -1.5, d, device=device), None
+    scales = 1.0
+    if family == "zipf_aniso":
+        scales = 10 ** (torch.rand(clusters, d, generator=g, device=device) * 1.25 - 1.0)
+    weights = None
+    if family in ("zipf", "zipf_aniso"):
+        weights = (1.0 / torch.arange(1, clusters + 1, device=device, dtype=torch.float64)).float()
+    return centres, scales, weights
+
+
+def _rows(centres, scales, labels, d, g, device, chunk) -> torch.Tensor:
+    """float16 rows of the clusters ``labels``, made chunk by chunk (10M x 1024 is 20 GB)."""
+    x = torch.empty(labels.shape[0], d, dtype=torch.float16, device=device)
+    for start in range(0, labels.shape[0], chunk):
+        end = min(labels.shape[0], start + chunk)
+        part = labels[start:end]
+        noise = torch.randn(end - start, d, generator=g, device=device)
+        noise *= scales[part] if torch.is_tensor(scales) and scales.dim() == 2 else scales
+        x[start:end] = (centres[part] + noise).half()
+    return x
+
+
+def make_set(family: str, n: int, d: int, seed: int = 0, chunk: int = 1 << 20, want_labels: bool = False,
+             queries: int = QUERIES, device="cuda"):
+    """(base, queries) float16 on ``device``, the queries drawn like the rows. With
+    ``want_labels``, also the cluster of every row: (base, queries, base_labels, query_labels)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    centres, scales, weights = _clusters(family, n, d, g, device)
+    total = n + queries
+    if weights is not None:
+        labels = torch.multinomial(weights, total, replacement=True, generator=g)
+    elif family == "aniso":
+        labels = torch.zeros(total, dtype=torch.int64, device=device)
+    else:
+        labels = torch.randint(centres.shape[0], (total,), generator=g, device=device)
+    x = _rows(centres, scales, labels, d, g, device, chunk)
     if want_labels:
         return x[:n], x[n:], labels[:n], labels[n:]
     return x[:n], x[n:]
+
+
+def make_rare_queries(family: str, n: int, d: int, seed: int = 0, queries: int = QUERIES, device="cuda"):
+    """(queries, labels): queries of make_set's clusters for the same seed, each from a cluster
+    chosen uniformly rather than by its size: the rare categories."""
+    centres, scales, _ = _clusters(family, n, d, torch.Generator(device=device).manual_seed(seed), device)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    labels = torch.randint(centres.shape[0], (queries,), generator=g, device=device)
+    return _rows(centres, scales, labels, d, g, device, 1 << 20), labels
 
 
 # Cluster sizes the queries are grouped by (by_cluster_size).
@@ -101,8 +141,9 @@ def by_cluster_size(ids, truth, base_labels, query_labels) -> list:
     return groups
 
 
-def measure(base, queries, truth, settings: dict, lists, labels) -> dict:
-    """One build of base and its search; labels: (base_labels, query_labels), make_set's clusters."""
+def measure(base, queries, truth, settings: dict, lists, labels, rare) -> dict:
+    """One build of base and its search; labels: (base_labels, query_labels), make_set's clusters;
+    rare: (queries, truth, labels) of make_rare_queries."""
     rounds = []
     grnnd.build(base, progress=lambda done, total, changes: rounds.append(changes), **settings)
     # Progress costs a synchronisation per round; time the build again without it, and take the
@@ -134,6 +175,13 @@ def measure(base, queries, truth, settings: dict, lists, labels) -> dict:
             _, secs = cuda_time(lambda: grnnd.search(base, graph, batch, 10, list_size=size, hub_entries=entries),
                                 repeat=5)
             row[key + "_qps"][size] = batch.shape[0] / secs
+    rare_queries, rare_truth, rare_labels = rare
+    row["recall_rare"] = {}
+    for size in lists:
+        _, ids = grnnd.search(base, graph, rare_queries, 10, list_size=size)
+        row["recall_rare"][size] = grnnd.recall(ids, rare_truth, 10)
+        if size == 64:
+            row["by_cluster_size_rare"] = by_cluster_size(ids, rare_truth, labels[0], rare_labels)
     del graph
     torch.cuda.empty_cache()
     return row
@@ -170,10 +218,10 @@ def describe(settings: dict) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sets", default=",".join(f"{family}:{n}x{d}" for family in ("blobs", "zipf")
+    p.add_argument("--sets", default=",".join(f"{family}:{n}x{d}" for family in ("blobs", "zipf", "zipf_aniso")
                                               for n in (100_000, 1_000_000, 4_000_000, 10_000_000)
                                               for d in (128, 384, 1024)),
-                   help="family:NxD,... (default: the grid of the scale issue, both families)")
+                   help="family:NxD,... (default: blobs, zipf and zipf_aniso from 100k to 10M rows)")
     p.add_argument("--builds", nargs="+", default=[""],
                    help="build settings per configuration; '' = the defaults")
     p.add_argument("--hnsw", default="", help="comma-separated sets (as in --sets) that also get a faiss HNSW reference")
@@ -189,10 +237,12 @@ def main():
     for family, n, d in parse_sets(args.sets):
         base, queries, *labels = make_set(family, n, d, want_labels=True)
         truth = grnnd.knn(base, queries, 10)[1]
+        rare_queries, rare_labels = make_rare_queries(family, n, d)
+        rare = (rare_queries, grnnd.knn(base, rare_queries, 10)[1], rare_labels)
         grnnd.build(base[:50_000])  # warm-up: kernels loaded, allocator primed
         for text in args.builds:
             settings = parse_build(text)
-            row = {"family": family, "n": n, "d": d, **measure(base, queries, truth, settings, lists, labels)}
+            row = {"family": family, "n": n, "d": d, **measure(base, queries, truth, settings, lists, labels, rare)}
             rows.append(row)
             print(f"{family} {n:>10,} x {d:<5} {describe(settings):<50} build {row['build_s']:7.3f} s, "
                   f"{row['rounds']:2d} rounds, peak extra {row['peak_extra_bytes'] / 2**20:,.0f} MiB "
@@ -200,12 +250,15 @@ def main():
                   f"degree min {row['degree']['min']} mean {row['degree']['mean']:.1f}, "
                   f"unreachable {row['unreachable_from_hubs']}, recall@10 list {'/'.join(map(str, lists))} "
                   + "/".join(f"{row['recall'][s]:.3f}" for s in lists) + " (random entries "
-                  + "/".join(f"{row['recall_random_entries'][s]:.3f}" for s in lists) + "), queries/s "
+                  + "/".join(f"{row['recall_random_entries'][s]:.3f}" for s in lists) + "), rare queries "
+                  + "/".join(f"{row['recall_rare'][s]:.3f}" for s in lists) + ", queries/s "
                   + "/".join(f"{row['recall_qps'][s]:,.0f}" for s in lists) + ", distances/query "
                   + "/".join(f"{row['distances_per_query'][s]:,.0f}" for s in lists), flush=True)
-            for group in row["by_cluster_size"]:
-                print(f"    clusters of {sizes_text(group['sizes'])} rows: {group['queries']} queries, recall@10 list 64 "
-                      f"{group['recall']:.3f}, results in the query's cluster {group['in_own_cluster']:.3f}", flush=True)
+            for kind in ("in", "rare"):
+                for group in row["by_cluster_size" + ("_rare" if kind == "rare" else "")]:
+                    print(f"    {kind} queries, clusters of {sizes_text(group['sizes'])} rows: {group['queries']} queries, "
+                          f"recall@10 list 64 {group['recall']:.3f}, results in the query's cluster "
+                          f"{group['in_own_cluster']:.3f}", flush=True)
         if f"{family}:{n}x{d}" in args.hnsw.split(","):
             ref = hnsw_reference(base, queries, truth, lists)
             rows.append({"family": family, "n": n, "d": d, "hnsw": ref})
@@ -213,7 +266,7 @@ def main():
                   f"{ref['threads']} threads, recall@10 efSearch {'/'.join(map(str, lists))} "
                   + "/".join(f"{v:.3f}" for v in ref["recall"].values()) + ", distances/query "
                   + "/".join(f"{v:,.0f}" for v in ref["distances_per_query"].values()), flush=True)
-        del base, queries, truth, labels
+        del base, queries, truth, labels, rare
         torch.cuda.empty_cache()
         write(rows, args)  # after every set, so a run cut short keeps what it measured
 
@@ -232,30 +285,33 @@ def write(rows, args):
              "10 000 with the default entry points; peak: GPU memory the build needs beyond the data, against "
              "2 N R 8 bytes + 10%. Degree histograms in the JSON.", "",
              "| data | N | D | build | s | rounds | peak / bound MiB | degree min / p1 / mean | unreachable | "
-             f"recall list {' / '.join(map(str, lists))} (hub entries) | queries/s | (random entries) | "
-             "distances/query |",
-             "|---|---:|---:|---|---:|---:|---|---|---:|---|---|---|---|"]
+             f"recall list {' / '.join(map(str, lists))} (hub entries) | rare queries | queries/s | "
+             "(random entries) | distances/query |",
+             "|---|---:|---:|---|---:|---:|---|---|---:|---|---|---|---|---|"]
     clusters = ["", "Recall@10 at list 64 (default entries) by the size of the query's cluster, and the share "
                 "of returned rows that lie in the query's cluster:", "",
-                "| data | N | D | build | cluster rows | queries | recall | in own cluster |", "|---|---:|---:|---|---|---:|---:|---:|"]
+                "| data | N | D | build | query set | cluster rows | queries | recall | in own cluster |",
+                "|---|---:|---:|---|---|---|---:|---:|---:|"]
     for r in rows:
         if "hnsw" in r:
             h = r["hnsw"]
             lines.append(f"| {r['family']} | {r['n']:,} | {r['d']} | faiss-cpu HNSW M=32 efC=40 ({h['threads']} threads) | "
                          f"{h['build_s']:.1f} | | | | | " + " / ".join(f"{v:.3f}" for v in h["recall"].values())
-                         + " (efSearch) | | | " + " / ".join(f"{v:,.0f}" for v in h["distances_per_query"].values())
+                         + " (efSearch) | | | | " + " / ".join(f"{v:,.0f}" for v in h["distances_per_query"].values())
                          + " |")
             continue
-        for group in r["by_cluster_size"]:
-            clusters.append(f"| {r['family']} | {r['n']:,} | {r['d']} | {describe(r['build'])} | "
-                            f"{sizes_text(group['sizes'])} | {group['queries']} | {group['recall']:.3f} | "
-                            f"{group['in_own_cluster']:.3f} |")
+        for kind in ("in", "rare"):
+            for group in r.get("by_cluster_size" + ("_rare" if kind == "rare" else ""), []):
+                clusters.append(f"| {r['family']} | {r['n']:,} | {r['d']} | {describe(r['build'])} | {kind} | "
+                                f"{sizes_text(group['sizes'])} | {group['queries']} | {group['recall']:.3f} | "
+                                f"{group['in_own_cluster']:.3f} |")
         deg = r["degree"]
         unreachable = "-" if r["unreachable_from_hubs"] is None else f"{r['unreachable_from_hubs']:.2e}"
         lines.append(f"| {r['family']} | {r['n']:,} | {r['d']} | {describe(r['build'])} | {r['build_s']:.2f} | "
                      f"{r['rounds']} | {r['peak_extra_bytes'] / 2**20:,.0f} / {r['pool_bound_bytes'] / 2**20:,.0f} | "
                      f"{deg['min']} / {deg['p1']:.0f} / {deg['mean']:.1f} | {unreachable} | "
                      + " / ".join(f"{r['recall'][s]:.3f}" for s in lists) + " | "
+                     + " / ".join(f"{r['recall_rare'][s]:.3f}" for s in lists) + " | "
                      + " / ".join(f"{r['recall_qps'][s] / 1e6:.2f}M" for s in lists) + " | "
                      + " / ".join(f"{r['recall_random_entries'][s]:.3f}" for s in lists) + " | "
                      + " / ".join(f"{r['distances_per_query'][s]:,.0f}" for s in lists) + " |")
@@ -268,8 +324,8 @@ def write(rows, args):
 
 
 def plot(results: dict, path: str):
-    """Recall@10 at list 64 against N, a line per family and width for each build configuration,
-    faiss HNSW at efSearch 64 as crosses of the same colour."""
+    """Recall@10 at list 64 against N, a line per family and width for each build configuration
+    (the rare queries dotted, in the same colour), faiss HNSW at efSearch 64 as crosses."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -282,11 +338,14 @@ def plot(results: dict, path: str):
         if "hnsw" in r:
             ax.plot([r["n"]], [r["hnsw"]["recall"][64]], "x", ms=8, color=colours[key])
         else:
-            lines.setdefault(key + (describe(r["build"]),), []).append((r["n"], r["recall"][64]))
-    for (family, d, build), points in lines.items():
+            lines.setdefault(key + (describe(r["build"]), "in"), []).append((r["n"], r["recall"][64]))
+            if "recall_rare" in r:
+                lines.setdefault(key + (describe(r["build"]), "rare"), []).append((r["n"], r["recall_rare"][64]))
+    for (family, d, build, kind), points in lines.items():
         points.sort()
-        ax.plot(*zip(*points), marker="o", ms=4, color=colours[(family, d)],
-                linestyle="-" if build == "defaults" else "--", label=f"{family} d={d} ({build})")
+        style = ":" if kind == "rare" else "-" if build == "defaults" else "--"
+        ax.plot(*zip(*points), marker="o", ms=4, color=colours[(family, d)], linestyle=style,
+                label=f"{family} d={d} ({build}, {kind} queries)")
     ax.plot([], [], "x", color="0.3", label="faiss-cpu HNSW M=32 efC=40, efSearch 64")
     ax.axhline(0.95, color="0.6", linewidth=0.8)
     ax.set_xscale("log")

@@ -1,11 +1,13 @@
 """The benchmarks' regression guard (benchmarks/report.py, regressions): a point slower at equal
-recall than the previous run on the same GPU model is flagged, nothing else is."""
+recall than the previous run on the same GPU model is flagged, nothing else is; and the data
+families of benchmarks/bench_scale.py with their rare-category queries."""
 import copy
 import json
 import os
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -58,3 +60,26 @@ def test_runs_of_other_gpus_are_not_compared(run):
     other["machine"]["gpu"] = "NVIDIA H100 80GB HBM3"
     with pytest.raises(ValueError, match="compare runs of one GPU model"):
         regressions(run, other)
+
+
+def test_scale_families_and_their_rare_queries():
+    # benchmarks/bench_scale.py: zipf_aniso rows come from clusters of Zipf sizes, each with noise
+    # scales of its own per dimension; the rare queries come from clusters chosen uniformly.
+    from benchmarks.bench_scale import make_rare_queries, make_set
+    base, queries, base_labels, query_labels = make_set("zipf_aniso", 20_000, 16, want_labels=True, device="cpu")
+    assert base.shape == (20_000, 16) and queries.shape == (1_000, 16) and base.dtype == torch.float16
+    again = make_set("zipf_aniso", 20_000, 16, device="cpu")[0]
+    assert torch.equal(base, again)
+    rare, rare_labels = make_rare_queries("zipf_aniso", 20_000, 16, device="cpu")
+    assert rare.shape == (1_000, 16) and rare_labels.shape == (1_000,)
+    sizes = torch.bincount(base_labels, minlength=20)
+    assert sizes.max() > 5 * sizes.min()  # Zipf: a few big clusters, many small ones
+    assert sizes[query_labels].float().median() > 2 * sizes[rare_labels].float().median()
+    # The rare queries belong to make_set's clusters: each lies nearer its own cluster's mean.
+    means = torch.stack([base[base_labels == c].float().mean(0) for c in range(20)])
+    nearest = torch.cdist(rare.float(), means).argmin(1)
+    assert (nearest == rare_labels).float().mean() > 0.8
+    # Anisotropic per cluster: the two largest clusters spread differently along the dimensions.
+    big = sizes.argsort(descending=True)[:2]
+    spread = torch.stack([base[base_labels == c].float().std(0) for c in big])
+    assert (spread[0] / spread[1]).max() > 2 and (spread[0] / spread[1]).min() < 0.5
