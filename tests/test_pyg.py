@@ -119,6 +119,23 @@ def test_argument_errors():
         knn_graph(torch.zeros(10, 3, dtype=torch.long), 2)
     with pytest.raises(ValueError, match="k: expected >= 1"):
         knn(x, x, 0)
+    # x's examples must come sorted, as torch_cluster requires (its rows are found by binary search).
+    unsorted = torch.tensor([0, 1] * 5)
+    with pytest.raises(ValueError, match="batch_x: expected examples in ascending order .* 4 descents"):
+        knn_graph(x, 2, unsorted)
+    with pytest.raises(ValueError, match="batch_x: expected examples in ascending order"):
+        knn(x, x, 2, unsorted, torch.zeros(10, dtype=torch.long))
+
+
+def test_queries_of_any_order_find_their_own_examples():
+    x, y = torch.randn(10, 3), torch.randn(6, 3)
+    batch_x, batch_y = torch.tensor([0] * 4 + [1] * 6), torch.tensor([1, 0, 1, 0, 0, 1])
+    query, found = knn(x, y, 2, batch_x, batch_y)
+    assert bool((batch_x[found] == batch_y[query]).all()) and query.numel() == 12
+    for q in range(6):
+        mine = (batch_x == batch_y[q]).nonzero().flatten()
+        want = mine[(x[mine] - y[q]).square().sum(1).argsort()[:2]]
+        assert found[query == q].tolist() == want.tolist()
 
 
 def test_approximate_finds_the_exact_neighbours_on_easy_data():

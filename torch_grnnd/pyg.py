@@ -8,7 +8,8 @@ one call of ``torch.ops.grnnd.knn_segments`` (one kernel launch on a GPU, which 
 query's rows in the batch vector itself), exactly, each query
 among the rows of its own example only, and the edges come out of one call of
 ``torch.ops.grnnd.segment_edges``. Passing ``batch_size`` (the number of examples) spares
-the host synchronisation that reading it from ``batch`` costs. Points of up to three coordinates
+the host synchronisation that reading it from ``batch`` costs, and with it the check that ``batch``
+is sorted (an unsorted one raises a ValueError otherwise). Points of up to three coordinates
 in examples of a few hundred points or more are found through a uniform grid (the cells around
 each query, ring after ring, until no unvisited cell can hold a nearer point; ``csrc/grid.h``):
 the same neighbours as the scan of every row, at one more host synchronisation (the bounding
@@ -223,9 +224,17 @@ def _segments(x: Tensor, y: Tensor, batch_x: Optional[Tensor], batch_y: Optional
         return x, y, None
     if batch_size is None:  # reading it costs a host synchronisation per batch vector
         batch_size = 1
-        for batch in (batch_x, batch_y):
+        for name, batch in (("batch_x", batch_x), ("batch_y", batch_y)):
             if batch is not None:
-                batch_size = max(batch_size, int(batch.max()) + 1)
+                # The same synchronisation tells whether x's examples are sorted, as torch_cluster
+                # requires: each example's rows are found by binary search in batch_x, so an
+                # unsorted one would give wrong edges. (y's rows may come in any order.)
+                largest, descents = torch.stack([batch.max().long(), (batch[1:] < batch[:-1]).sum()]).tolist()
+                if name == "batch_x" and descents:
+                    raise ValueError("batch_x: expected examples in ascending order (a sorted batch vector, as "
+                                     f"torch_cluster and PyG's batches have), found {descents} descents; sort the "
+                                     "points by example first (torch.sort(batch, stable=True))")
+                batch_size = max(batch_size, largest + 1)
     if batch_size < 1:
         raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
     if batch_size > 1 and (batch_x is None or batch_y is None):
