@@ -6,6 +6,10 @@ system g++ when CXX names one that does not).
 Install after torch, without build isolation (an isolated build would pull a second torch):
     pip install --no-build-isolation -e .
 Environment: GRNND_FORCE_CPU=1 skips the CUDA kernels.
+
+It says what it builds and why (on stderr; `pip install -v` shows it) and records it in
+torch_grnnd/_build.py, which torch_grnnd.info() reports and import torch_grnnd reads to warn when
+a machine with a GPU got the CPU kernels only.
 """
 import glob
 import os
@@ -22,7 +26,22 @@ from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 here = os.path.dirname(os.path.abspath(__file__))
-with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and not os.environ.get("GRNND_FORCE_CPU")
+
+
+def why_no_cuda():
+    """None when the CUDA kernels can be built here, else the reason they are not."""
+    if os.environ.get("GRNND_FORCE_CPU"):
+        return "GRNND_FORCE_CPU is set"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a build without CUDA"
+    if CUDA_HOME is None:
+        return (f"no CUDA toolkit was found (nvcc on PATH or CUDA_HOME) for torch's CUDA {torch.version.cuda}; "
+                "install the toolkit of that CUDA release, or set CUDA_HOME to it")
+    return None
+
+
+no_cuda_reason = why_no_cuda()
+with_cuda = no_cuda_reason is None
 
 
 def torch_cxx_standard() -> str:
@@ -101,6 +120,27 @@ if with_cuda:
     define_macros.append(("GRNND_WITH_CUDA", None))
     extra_compile_args["nvcc"] = ["-O3", cxx_std, "--expt-relaxed-constexpr", "-lineinfo"]
 Extension = CUDAExtension if with_cuda else CppExtension
+
+
+def record_build() -> None:
+    """Say what is built, and write it to torch_grnnd/_build.py for torch_grnnd.info()."""
+    cxx = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++"
+    facts = {"torch": torch.__version__, "cuda_kernels": with_cuda, "no_cuda_reason": no_cuda_reason,
+             "cuda": torch.version.cuda if with_cuda else None,
+             # Empty: torch's cpp_extension default, the archs of the GPUs visible at build time.
+             "cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST", "") if with_cuda else None,
+             "cuda_home": CUDA_HOME if with_cuda else None, "cxx": cxx, "cxx_standard": cxx_std[len("-std="):]}
+    if with_cuda:
+        print(f"setup.py: building the CPU and CUDA kernels (CUDA {torch.version.cuda} at {CUDA_HOME}, archs "
+              f"{facts['cuda_arch_list'] or 'of the visible GPUs'})", file=sys.stderr)
+    else:
+        print(f"setup.py: building the CPU kernels only: {no_cuda_reason}", file=sys.stderr)
+    with open(os.path.join(here, "torch_grnnd", "_build.py"), "w") as f:
+        f.write('"""How this copy of torch_grnnd._C was built (written by setup.py; see torch_grnnd.info())."""\n')
+        f.write(f"BUILD = {facts!r}\n")
+
+
+record_build()
 
 setup(
     ext_modules=[

@@ -6,17 +6,65 @@
 
 #include "progress.h"
 
+// Without CUDA kernels in this build, CUDA tensors get a message that says why and what to do,
+// instead of the dispatcher's generic "could not run ... with arguments from the 'CUDA' backend".
+// One boxed kernel serves every op (it needs no signature). It is registered for each op with a
+// CPU kernel (device kernels come in CPU and CUDA pairs; composite ops such as knn_graph run on
+// what their parts run on) when the module is imported: by then every file of the library has
+// registered its kernels, whatever order their static initialisers ran in.
+#ifndef GRNND_WITH_CUDA
+namespace {
+void no_cuda_kernel(const c10::OperatorHandle& op, torch::jit::Stack*) {
+  TORCH_CHECK(false, "torch.ops.", op.schema().name(),
+              " got CUDA tensors, but torch_grnnd was installed without CUDA kernels (torch_grnnd.info() says "
+              "why). Reinstall with nvcc and a CUDA build of torch present, or move the tensors to the CPU.");
+}
+
+void register_cuda_stubs() {
+  static bool registered = false;  // an import after a failed one runs this again
+  if (registered) return;
+  registered = true;
+  static torch::Library library(torch::Library::IMPL, "grnnd", c10::DispatchKey::CUDA, __FILE__, __LINE__);
+  const std::string prefix = "grnnd::";
+  for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
+    if (name.name.rfind(prefix, 0) != 0) continue;
+    const auto op = c10::Dispatcher::singleton().findOp(name);
+    if (op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CPU) &&
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CUDA)) {
+      library.impl(name.name.substr(prefix.size()).c_str(),
+                   torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernel>());
+    }
+  }
+}
+}  // namespace
+#endif
+
 // Importing torch_grnnd._C loads this library, which runs the registrations below. The module
-// itself only carries the hook for build progress (torch_grnnd/progress.py).
+// itself carries the hook for build progress (torch_grnnd/progress.py) and what the build holds.
 extern "C" PyObject* PyInit__C(void) {
+#ifndef GRNND_WITH_CUDA
+  try {
+    register_cuda_stubs();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_ImportError, e.what());
+    return nullptr;
+  }
+#endif
   static PyMethodDef methods[] = {
       {"_set_progress_callback", grnnd::set_progress_callback, METH_O,
        "Install (or with None remove) the calling thread's build progress callback(done, total)."},
       {nullptr, nullptr, 0, nullptr}};
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* module = PyModule_Create(&module_def);
-  // The torch release (major * 100 + minor) this build was compiled against (setup.py).
-  if (module != nullptr && PyModule_AddIntConstant(module, "torch_release", GRNND_TORCH_RELEASE) < 0) {
+  // The torch release (major * 100 + minor) this build was compiled against (setup.py), and
+  // whether it holds the CUDA kernels (torch_grnnd.info()).
+#ifdef GRNND_WITH_CUDA
+  constexpr long kWithCuda = 1;
+#else
+  constexpr long kWithCuda = 0;
+#endif
+  if (module != nullptr && (PyModule_AddIntConstant(module, "torch_release", GRNND_TORCH_RELEASE) < 0 ||
+                            PyModule_AddIntConstant(module, "with_cuda", kWithCuda) < 0)) {
     Py_DECREF(module);
     return nullptr;
   }
@@ -102,42 +150,3 @@ TORCH_LIBRARY(grnnd, m) {
       "-> (Tensor, Tensor)");
 }
 
-// Without CUDA kernels in this build, CUDA tensors get a message that says why and what to do,
-// instead of the dispatcher's generic "could not run ... with arguments from the 'CUDA' backend".
-#ifndef GRNND_WITH_CUDA
-namespace {
-[[noreturn]] void no_cuda_kernel(const char* op) {
-  TORCH_CHECK(false, "torch.ops.grnnd.", op,
-              " got CUDA tensors, but torch_grnnd was installed without CUDA kernels (nvcc or a CUDA build "
-              "of torch was missing at install time). Reinstall with both present, or move the tensors to the CPU.");
-}
-}  // namespace
-
-TORCH_LIBRARY_IMPL(grnnd, CUDA, m) {
-  m.impl("build", [](const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, double, c10::string_view,
-                     c10::string_view, int64_t, double, c10::string_view,
-                     const c10::optional<at::Tensor>&, int64_t, c10::string_view) -> at::Tensor {
-    no_cuda_kernel("build");
-  });
-  m.impl("search", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
-                      c10::string_view, int64_t, const c10::optional<at::Tensor>&, int64_t, int64_t,
-                      const c10::optional<at::Tensor>&,
-                      const c10::optional<at::Tensor>&) -> std::tuple<at::Tensor, at::Tensor> {
-    no_cuda_kernel("search");
-  });
-  m.impl("search_distance_counts",
-         [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
-            c10::string_view, int64_t, const c10::optional<at::Tensor>&, int64_t, int64_t,
-            const c10::optional<at::Tensor>&,
-            const c10::optional<at::Tensor>&) -> at::Tensor { no_cuda_kernel("search_distance_counts"); });
-  m.impl("knn", [](const at::Tensor&, const at::Tensor&, int64_t, c10::string_view)
-                    -> std::tuple<at::Tensor, at::Tensor> { no_cuda_kernel("knn"); });
-  m.impl("prune_rows", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, c10::string_view, bool,
-                          int64_t, bool) -> at::Tensor { no_cuda_kernel("prune_rows"); });
-  m.impl("connect", [](const at::Tensor&, const at::Tensor&, c10::string_view) -> at::Tensor {
-    no_cuda_kernel("connect");
-  });
-  m.impl("fill", [](const at::Tensor&, const at::Tensor&, c10::string_view) -> at::Tensor { no_cuda_kernel("fill"); });
-  m.impl("gather_rows", [](const at::Tensor&, const at::Tensor&) -> at::Tensor { no_cuda_kernel("gather_rows"); });
-}
-#endif
