@@ -1,4 +1,5 @@
-"""How the extension was built: properties that decide whether it can live in torch's process, and what it reports (info, the warning, the CUDA stubs of a CPU-only build)."""
+"""How the extension was built: properties that decide whether it can live in torch's process, and
+what it reports (info, the warning, the CUDA stubs of a CPU-only build)."""
 import shutil
 import subprocess
 
