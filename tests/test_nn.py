@@ -189,3 +189,32 @@ def test_retriever_adds_removes_and_keeps_it_in_its_state():
     plain = grnnd.nn.Retriever()
     plain.load_state_dict(old)
     assert plain.ids.numel() == 0 and len(plain) == 500
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_a_batch_of_small_examples_is_one_segment_search(metric, monkeypatch):
+    # Examples of at most graph.EXACT_EXAMPLE_ROWS rows: one knn_segments call for the whole batch,
+    # exact neighbours even when an approximate graph is asked for, k per point with duplicates.
+    from torch_grnnd import graph
+    x, batch = examples([300, 5, 700], dim=6)
+    x[10] = x[11]  # a duplicate: each must still get k others, never itself
+    calls = []
+    nearest = graph._nearest
+    monkeypatch.setattr(graph, "_nearest", lambda *args: calls.append(1) or nearest(*args))
+    edge_index, dists = grnnd.knn_graph(x, 8, batch, metric=metric, return_distances=True)
+    assert len(calls) == 1
+    neighbour, centre = edge_index
+    assert not bool((neighbour == centre).any()) and torch.equal(batch[neighbour], batch[centre])
+    assert torch.bincount(centre, minlength=1005).tolist() == [8] * 300 + [4] * 5 + [8] * 700
+    start = 0
+    for size in (300, 5, 700):  # the same neighbour distances as each example's exact graph
+        mine = (centre >= start) & (centre < start + size)
+        want = grnnd.knn_graph(x[start:start + size], min(8, size - 1), metric=metric, exact=True,
+                               return_distances=True)[1]
+        torch.testing.assert_close(dists[mine], want, rtol=1e-4, atol=1e-5)
+        start += size
+    # Larger examples are built one after another, as before.
+    monkeypatch.setattr(graph, "EXACT_EXAMPLE_ROWS", 100)
+    calls.clear()
+    grnnd.knn_graph(x, 8, batch, metric=metric)
+    assert not calls

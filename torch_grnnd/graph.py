@@ -7,6 +7,13 @@ from torch import Tensor
 
 from .ops import Metric
 from .progress import Progress, run_reporting
+from .pyg import _nearest, _search_space
+
+# A batch whose examples have at most this many rows is searched exactly by the segment kernel
+# (torch.ops.grnnd.knn_segments, as torch_grnnd.pyg does: one call for the whole batch) even where
+# an approximate graph is asked for: an exact scan of such an example costs less than a GRNND
+# build and search of it, which ran one example after another.
+EXACT_EXAMPLE_ROWS = 4096
 
 
 def knn_graph(
@@ -36,8 +43,11 @@ def knn_graph(
     Args:
         x: [N, D] points.
         k: edges per point.
-        batch: optional int64 [N], the example of each point, sorted (PyG's convention). The
-            examples are processed one after the other; reading their sizes costs one host
+        batch: optional int64 [N], the example of each point, sorted (PyG's convention). Under
+            l2 and cosine, exact graphs, and any graph whose examples have at most
+            ``EXACT_EXAMPLE_ROWS`` (4 096) rows, come from one call of the segment kernel for the
+            whole batch (exact neighbours, as :func:`torch_grnnd.pyg.knn_graph`); otherwise the
+            examples are built one after the other. Reading their sizes costs one host
             synchronisation (and ends a ``torch.compile`` graph).
         metric: ``"l2"``, ``"ip"`` or ``"cosine"``.
         exact: exact instead of approximate neighbours.
@@ -84,12 +94,50 @@ def knn_graph(
     def all_edges() -> Tuple[Tensor, Tensor, Tensor]:
         if batch is None:
             return example_edges(x, 0)
-        parts = [example_edges(x.narrow(0, start, size), start) for start, size in _example_rows(batch, x)]
+        rows = _example_rows(batch, x)
+        if metric in ("l2", "cosine") and (exact or max(size for _, size in rows) <= EXACT_EXAMPLE_ROWS):
+            return _segment_edges(x, batch, len(rows), others, metric, loop, return_distances)
+        parts = [example_edges(x.narrow(0, start, size), start) for start, size in rows]
         return tuple(torch.cat(column) for column in zip(*parts))
 
     neighbour, centre, dists = run_reporting(progress, "knn_graph", all_edges)
     edge_index = torch.stack([neighbour, centre] if flow == "source_to_target" else [centre, neighbour])
     return (edge_index, dists) if return_distances else edge_index
+
+
+def _segment_edges(x: Tensor, batch: Tensor, examples: int, others: int, metric: Metric, loop: bool,
+                   distances: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(neighbour, centre, distance) of every point's ``others`` nearest other points of its
+    example (and itself first with ``loop``), from one knn_segments call for the whole batch;
+    with ``distances`` the distances recomputed from ``x`` (so that they carry gradients), else
+    None."""
+    n = x.shape[0]
+    centre = torch.arange(n, device=x.device)
+    if others > 0:
+        points = _search_space(x, metric == "cosine")
+        # Relabelled 0..examples-1 in order, so that empty example ids cost nothing.
+        labels = torch.cat([batch.new_zeros(1), (batch[1:] != batch[:-1]).long()]).cumsum(0)
+        _, ids = _nearest(points, points, (labels, labels, examples), others + 1)
+        # Each point's own row is among its nearest unless as many duplicates come first: drop it,
+        # or else the farthest, and keep the others in order (-1: the example has no more rows).
+        own = ids == centre[:, None]
+        drop = torch.where(own.any(1, keepdim=True), own, torch.arange(others + 1, device=x.device) == others)
+        ids = ids[~drop].view(n, others)
+    else:
+        ids = centre.new_zeros(n, 0)
+    if loop:
+        ids = torch.cat([centre[:, None], ids], dim=1)
+    centres = centre[:, None].expand_as(ids)
+    found = ids >= 0
+    neighbour, centre = ids[found], centres[found]
+    if not distances:
+        return neighbour, centre, None
+    a, b = x[neighbour].float(), x[centre].float()
+    if metric == "cosine":
+        dists = 1 - torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    else:
+        dists = (a - b).pow(2).sum(-1)
+    return neighbour, centre, dists
 
 
 def _example_rows(batch: Tensor, x: Tensor) -> List[Tuple[int, int]]:
