@@ -1,5 +1,6 @@
 """The examples run and reach what they claim: the README's quickstart, and at smoke size the
-training loop, RAG retrieval and manifold examples (each exits non-zero on a shortfall)."""
+training loop, RAG retrieval, manifold and out-of-core examples, and the distributed training job
+under torchrun on two CPU processes (each exits non-zero on a shortfall)."""
 import importlib.util
 import re
 import subprocess
@@ -52,3 +53,13 @@ def test_beyond_gpu_smoke():
     assert "graph (20000, 48) on cpu" in out and "rows of two shards joined" in out, out  # built in shards
     recall = float(re.search(r"recall@10 at list 64 over 200 queries: ([0-9.]+)", out).group(1))
     assert recall >= 0.95, out
+
+
+def test_distributed_training_smoke():
+    # Two processes under torchrun on the CPU (gloo), as the example's docstring launches them.
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(EXAMPLES / "distributed_training.py"), "--smoke", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "OK: 2 ranks" in done.stdout, done.stdout + done.stderr
+    purity = float(re.search(r"purity [0-9.]+ -> ([0-9.]+)", done.stdout).group(1))
+    assert purity >= 0.9, done.stdout
