@@ -57,6 +57,17 @@ def worker(rank: int, world: int, init: str, out: str, device: str):
     user = grnnd.distributed.ShardedIndex.build(mine, ids=torch.arange(bounds[rank], bounds[rank + 1]).to(device)
                                                 * 3 + 7)
     result["user_ids"] = user.search(my_queries, 10, list_size=64)[1].cpu()
+    # Partitioned: rows placed by proximity, each query sent to its nearest shards only.
+    parted = grnnd.distributed.ShardedIndex.build(mine, partition=True, probes=1)
+    result["partition_rows"] = len(parted.local)
+    result["partition_ids"] = parted.local.ids.cpu()
+    for probes in (1, world):
+        parted.probes = probes
+        result[f"partitioned_{probes}"] = parted.search(my_queries, 10, list_size=64)[1].cpu()
+    result["partitioned_restored_equal"] = torch.equal(
+        grnnd.distributed.ShardedIndex.from_state_dict(parted.state_dict()).search(my_queries, 10,
+                                                                                   list_size=64)[1].cpu(),
+        result[f"partitioned_{world}"])
     replicated = grnnd.distributed.ReplicatedIndex(grnnd.Index.build(data.to(device)))
     result["replicated"] = [t.cpu() for t in replicated.search(queries.to(device), 10, list_size=64)]
     # Mismatches: every rank must raise (a hang would time the test out).
@@ -107,6 +118,16 @@ def check(results, world):
         coded = torch.cat([r[f"coded_{kind}"] for r in results])
         assert recall(coded, truth) >= recall(one, truth) - 0.01, kind
         assert all(r[f"coded_{kind}_restored_equal"] for r in results), kind
+    # Partitioned: every row on exactly one rank, shares within 25% of equal; a query sent to
+    # every shard finds what the all-shards search finds, to its nearest shard alone nearly as much.
+    placed = torch.cat([r["partition_ids"] for r in results])
+    assert torch.equal(placed.sort().values, torch.arange(N))
+    shares = torch.tensor([r["partition_rows"] for r in results], dtype=torch.float64) * world / N
+    assert float((shares - 1).abs().max()) <= 0.25, shares
+    everywhere = recall(torch.cat([r[f"partitioned_{world}"] for r in results]), truth)
+    assert everywhere >= recall(one, truth) - 0.01
+    assert recall(torch.cat([r["partitioned_1"] for r in results]), truth) >= everywhere - 0.05
+    assert all(r["partitioned_restored_equal"] for r in results)
     user = torch.cat([r["user_ids"] for r in results])
     assert ((user - 7) % 3 == 0).all() and recall((user - 7) // 3, truth) >= recall(one, truth) - 0.01
     # Replicated: every rank gets the same answer for the whole batch, as good as one index's.

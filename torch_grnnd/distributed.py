@@ -6,6 +6,10 @@ number of ranks), with the collectives PyTorch already runs:
 - :class:`ShardedIndex`: each rank indexes its own rows (its shard). A search gathers every
   rank's queries, searches them on every shard, and returns to each rank the best k of its own
   queries over all shards (one all-gather of the queries, one all-to-all of the per-shard top k).
+  Built with ``partition=True``, the rows move first to the rank whose partition centre is
+  nearest (balanced k-means over all ranks' rows), and a search sends each query only to the
+  ``probes`` shards of its nearest centres (all-to-alls of the queries and of the answers), so
+  that the work per query does not grow with the number of shards.
 - :class:`ReplicatedIndex`: every rank holds the whole index; a batch that every rank passes is
   split between them and each rank gets the whole answer (throughput).
 - :func:`knn` and :func:`knn_graph`: exact neighbours over sharded data, the same exchange.
@@ -211,6 +215,91 @@ def knn_graph(local_data: Tensor, k: int, *, metric: ops.Metric = "l2",
     return dists.gather(1, keep), ids.gather(1, keep)
 
 
+# Partitioned shards: rows sampled over all ranks for the partition centres, the Lloyd rounds run
+# on that sample, and the rounds that adjust each centre's bias until the sample's parts are
+# balanced (placement: argmin over centres of distance + bias).
+_PARTITION_SAMPLE = 32_768
+_PARTITION_ROUNDS = 12
+_BALANCE_ROUNDS = 64
+
+
+def _centre_distances(x: Tensor, centres: Tensor, metric: str) -> Tensor:
+    """float32 [n, W]: each row's distance to each centre under ``metric`` (squared l2; 1 - cos;
+    -<x, c>), in chunks that bound the float32 copy of the rows."""
+    parts = []
+    c = centres.float()
+    if metric == "cosine":
+        c = torch.nn.functional.normalize(c, dim=1)
+    for start in range(0, x.shape[0], 1 << 16):
+        rows = x[start:start + (1 << 16)].float()
+        if metric == "cosine":
+            rows = torch.nn.functional.normalize(rows, dim=1)
+        dots = rows @ c.T
+        if metric == "l2":
+            parts.append(rows.square().sum(1, keepdim=True) - 2 * dots + c.square().sum(1))
+        else:
+            parts.append((1 - dots) if metric == "cosine" else -dots)
+    return torch.cat(parts) if parts else x.new_zeros(0, c.shape[0], dtype=torch.float32)
+
+
+def _balanced_parts(dists: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(parts [n], bias [W])``: each row's part argmin(dists + bias), with the bias raised for
+    parts above an equal share and lowered for those below until the shares are about equal."""
+    n, w = dists.shape
+    bias = torch.zeros(w, device=dists.device)
+    scale = float(dists.std()) if n > 1 else 1.0
+    for step in range(_BALANCE_ROUNDS):
+        parts = (dists + bias).argmin(1)
+        share = torch.bincount(parts, minlength=w).float() * w / max(n, 1)
+        bias += scale * (share - 1) / (4 + step)  # steps that shrink: it settles
+    return (dists + bias).argmin(1), bias
+
+
+def _partition_centres(local_data: Tensor, metric: str, sizes: Sequence[int], group: Optional[dist.ProcessGroup],
+                       seed: int) -> Tuple[Tensor, Tensor]:
+    """``(centres [W, D] float32, bias [W])`` of a balanced k-means over a sample of every rank's
+    rows, computed on rank 0 and broadcast, so that every rank holds the same."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    total = sum(sizes)
+    take = [min(s, -(-_PARTITION_SAMPLE * s // max(total, 1))) for s in sizes]
+    generator = torch.Generator(device="cpu").manual_seed(seed + rank)
+    picked = torch.randperm(sizes[rank], generator=generator)[:take[rank]].to(local_data.device)
+    sample = _all_gather_rows(local_data[picked].float(), take, group)
+    device = _comm_device(group)
+    centres = torch.empty(world, local_data.shape[1], device=device)
+    bias = torch.empty(world, device=device)
+    if rank == 0:
+        first = torch.randperm(sample.shape[0], generator=torch.Generator().manual_seed(seed))[:world]
+        c = sample[first.to(sample.device)].clone()
+        for _ in range(_PARTITION_ROUNDS):
+            parts, b = _balanced_parts(_centre_distances(sample, c, metric))
+            sums = torch.zeros_like(c).index_add_(0, parts, sample)
+            counts = torch.bincount(parts, minlength=world)[:, None]
+            c = torch.where(counts > 0, sums / counts.clamp_min(1), c)  # an empty part keeps its centre
+        _, b = _balanced_parts(_centre_distances(sample, c, metric))
+        centres.copy_(c)
+        bias.copy_(b)
+    dist.broadcast(centres, 0, group=group)
+    dist.broadcast(bias, 0, group=group)
+    return centres.to(local_data.device), bias.to(local_data.device)
+
+
+def _all_to_all_rows(rows: Tensor, counts: Sequence[int], group: Optional[dist.ProcessGroup]) -> Tuple[Tensor, List[int]]:
+    """Rows sent to the ranks in rank order (``counts[r]`` to rank r), and the rows every rank
+    sent here, in rank order, with how many came from each (one all-to-all of the counts, one of
+    the rows)."""
+    device, home = _comm_device(group), rows.device
+    world = dist.get_world_size(group)
+    sent = torch.tensor(list(counts), dtype=torch.long, device=device)
+    got = torch.empty(world, dtype=torch.long, device=device)
+    dist.all_to_all_single(got, sent, group=group)
+    got_counts = got.tolist()
+    received = torch.empty((sum(got_counts), *rows.shape[1:]), dtype=rows.dtype, device=device)
+    dist.all_to_all_single(received, rows.to(device).contiguous(), output_split_sizes=got_counts,
+                           input_split_sizes=list(counts), group=group)
+    return received.to(home), got_counts
+
+
 class ShardedIndex:
     """One index over the rows of every rank: each rank holds and searches its own shard.
 
@@ -221,28 +310,52 @@ class ShardedIndex:
     """
 
     def __init__(self, local: Index, offset: int, total: int, group: Optional[dist.ProcessGroup] = None,
-                 user_ids: bool = True):
+                 user_ids: bool = True, centres: Optional[Tensor] = None, probes: int = 2):
         """Wrap this rank's ``local`` index (whose search returns global ids) of ``total`` rows
         in all, this shard's first being global id ``offset``. ``user_ids=False`` says the ids
         are rank offset plus row, so that no id of a rank exceeds one of a later rank (a merge of
-        the shards' answers then needs one sort instead of two)."""
+        the shards' answers then needs one sort instead of two). ``centres``: float32 [W, D],
+        the partition centres of a partitioned index (rank r's shard holds the rows nearest
+        centre r), which its searches route by; ``probes``: shards a query visits there."""
         self.local, self.offset, self.total, self.group = local, offset, total, group
         self.user_ids = user_ids
+        self.centres, self.probes = centres, probes
 
     @classmethod
     def build(cls, local_data: Tensor, params: Optional[BuildParams] = None, *, metric: ops.Metric = "l2",
               ids: Optional[Tensor] = None, group: Optional[dist.ProcessGroup] = None, progress: Progress = False,
-              **settings: Any) -> "ShardedIndex":
+              partition: bool = False, probes: int = 2, **settings: Any) -> "ShardedIndex":
         """Build this rank's shard of ``local_data`` (every rank of ``group`` calls it with its
         own rows, the same width, dtype and metric). ``ids``: optional int64 user ids of the
         local rows (on every rank or none; distinct across all ranks, which is not checked);
-        without them a row's id is the rank offset plus its local row."""
-        offset, total, _ = _setup("ShardedIndex.build", group, local_data, metric, has_ids=int(ids is not None))
+        without them a row's id is the rank offset plus its local row.
+
+        ``partition=True``: first place the rows by proximity. A balanced k-means with one
+        centre per rank runs on a sample of all ranks' rows, every row goes to the rank of its
+        centre (all-to-all; its id goes with it, so ids keep naming the rows the callers passed),
+        and searches send each query only to the shards of its ``probes`` nearest centres. The
+        shards then differ in size by a few percent of a share."""
+        offset, total, sizes = _setup("ShardedIndex.build", group, local_data, metric, has_ids=int(ids is not None),
+                                      partition=int(partition), probes=probes)
         user_ids = ids is not None
         if ids is None:
             ids = torch.arange(offset, offset + local_data.shape[0], device=local_data.device)
+        centres = None
+        if partition:
+            world = dist.get_world_size(group)
+            if not 1 <= probes <= world:
+                raise ValueError(f"probes: expected 1 <= probes <= {world} (the ranks), got {probes}")
+            sizes = _agree(group, "ShardedIndex.build", rows_each=local_data.shape[0])
+            centres, bias = _partition_centres(local_data, metric, [row[0] for row in sizes], group,
+                                               BuildParams.merge(params, **settings).seed)
+            parts = (_centre_distances(local_data, centres, metric) + bias).argmin(1)
+            order = torch.argsort(parts, stable=True)
+            counts = torch.bincount(parts, minlength=world).tolist()
+            local_data, _ = _all_to_all_rows(local_data[order], counts, group)
+            ids, _ = _all_to_all_rows(ids[order], counts, group)
+            user_ids = True  # a shard's ids no longer follow the ranks
         local = Index.build(local_data, params, metric=metric, ids=ids, progress=progress, **settings)
-        return cls(local, offset, total, group, user_ids)
+        return cls(local, offset if centres is None else 0, total, group, user_ids, centres, probes)
 
     def search(self, queries: Tensor, k: Optional[int] = None, *, params: Optional[SearchParams] = None,
                **settings: Any) -> Tuple[Tensor, Tensor]:
@@ -263,7 +376,35 @@ class ShardedIndex:
             dists, ids = self.local.search(everyone.to(self.local.data.dtype), min(k, n), params=p)
             return _padded(dists, ids, k)
 
+        if self.centres is not None:
+            return self._search_routed(local, queries, p.k)
         return _search_everywhere(local, queries, p.k, sizes, self.group, ids_follow_ranks=not self.user_ids)
+
+    def _search_routed(self, local_search, queries: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+        """A partitioned index's search: each query goes to the shards of its ``probes`` nearest
+        centres only (one all-to-all there, one back), and its answers from them are merged."""
+        world = dist.get_world_size(self.group)
+        probes = min(self.probes, world)
+        q = queries.shape[0]
+        if q > 0:
+            nearest = _centre_distances(queries, self.centres, self.local.metric).topk(probes, dim=1,
+                                                                                       largest=False).indices
+        else:
+            nearest = torch.zeros(0, probes, dtype=torch.long, device=queries.device)
+        targets = nearest.flatten()
+        order = torch.argsort(targets, stable=True)  # (query, probe) pairs by the rank they go to
+        counts = torch.bincount(targets, minlength=world).tolist()
+        received, got_counts = _all_to_all_rows(queries[order // probes], counts, self.group)
+        dists, ids = local_search(received, k)
+        # Back where each pair came from: the answers arrive in the order the pairs were sent.
+        device, home = _comm_device(self.group), queries.device
+        back = torch.empty((q * probes, k, 3), dtype=torch.int32, device=device)
+        dist.all_to_all_single(back, _packed(dists, ids).to(device), output_split_sizes=counts,
+                               input_split_sizes=got_counts, group=self.group)
+        answers = torch.empty_like(back)
+        answers[order.to(device)] = back
+        d, i = _unpacked(answers.view(q, probes, k, 3).to(home))
+        return _best(d.permute(1, 0, 2), i.permute(1, 0, 2), k)
 
     def __len__(self) -> int:
         return self.total
@@ -272,7 +413,7 @@ class ShardedIndex:
         """This rank's shard and where it sits: save one per rank."""
         return {"local": self.local.state_dict(), "offset": self.offset, "total": self.total,
                 "user_ids": self.user_ids, "rank": dist.get_rank(self.group),
-                "world_size": dist.get_world_size(self.group)}
+                "world_size": dist.get_world_size(self.group), "centres": self.centres, "probes": self.probes}
 
     @classmethod
     def from_state_dict(cls, state: Dict[str, Any], group: Optional[dist.ProcessGroup] = None) -> "ShardedIndex":
@@ -281,8 +422,12 @@ class ShardedIndex:
         if state.get("world_size") != world or state.get("rank") != rank:
             raise ValueError(f"state: saved by rank {state.get('rank')} of {state.get('world_size')}, loaded by rank "
                              f"{rank} of {world}; load each rank's own state in a group of the same size")
-        return cls(Index.from_state_dict(state["local"]), state["offset"], state["total"], group,
-                   state.get("user_ids", True))
+        local = Index.from_state_dict(state["local"])
+        centres = state.get("centres")
+        if centres is not None and (not isinstance(centres, Tensor) or tuple(centres.shape) != (world, local.data.shape[1])):
+            raise ValueError(f"state: centres must be a [{world}, {local.data.shape[1]}] tensor, one per rank")
+        return cls(local, state["offset"], state["total"], group, state.get("user_ids", True),
+                   None if centres is None else centres.to(local.data.device), state.get("probes", 2))
 
 
 @dataclasses.dataclass
