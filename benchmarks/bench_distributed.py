@@ -9,6 +9,8 @@ takes its share as its shard. Rank 0 also runs the one-GPU baselines while the o
   sharded    search of the queries (each rank a share) over all shards  vs  one GPU's index of
              N / W rows searching all the queries (the issue's "half the data"); recall against
              exact neighbours of all N rows, and one GPU's index of all N rows at the same list;
+  partitioned  the same with ShardedIndex.build(partition=True, probes=--probes): rows placed by
+             a balanced k-means over the ranks, each query sent to its --probes nearest shards;
   replicated the index of N / W rows on every rank, the batch split  vs  that index on one GPU;
   exact      distributed.knn of the queries over the shards  vs  grnnd.knn over all N on one GPU.
 Wall-clock seconds after a CUDA synchronisation and a barrier, median of 3 (builds too). Also:
@@ -109,6 +111,7 @@ def main():
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--big-batch", type=int, default=100_000,
                    help="queries of the second replicated measurement (the query set repeated)")
+    p.add_argument("--probes", type=int, default=2, help="shards a query visits in the partitioned index")
     args = p.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -131,6 +134,11 @@ def main():
     steps = [sharded_search_steps(sharded, my_queries) for _ in range(3)]
     r["sharded_steps_s"] = {name: gather_floats(statistics.median(s[name] for s in steps), world)
                             for name in steps[0]}
+    parted, r["partitioned_build_s"] = seconds(
+        lambda: grnnd.distributed.ShardedIndex.build(mine, partition=True, probes=args.probes), repeat=1)
+    r["probes"] = args.probes
+    r["partition_rows"] = gather_floats(float(len(parted.local)), world)
+    (_, i_part), r["partitioned_search_s"] = seconds(lambda: parted.search(my_queries, K, list_size=LIST))
     (_, i_ex), r["exact_knn_s"] = seconds(lambda: grnnd.distributed.knn(mine, my_queries, K))
     replicated = grnnd.distributed.ReplicatedIndex(grnnd.Index.build(base[:bounds[1]].contiguous()))
     (_, i_rep), r["replicated_search_s"] = seconds(lambda: replicated.search(queries, K, list_size=LIST))
@@ -142,6 +150,8 @@ def main():
     if sizes_equal:
         dist.all_gather(gathered, i_sh)
         sharded_ids = torch.cat(gathered)
+        dist.all_gather(gathered, i_part)
+        partitioned_ids = torch.cat(gathered)
         dist.all_gather(gathered, i_ex)
         exact_ids = torch.cat(gathered)
     if rank == 0:
@@ -164,9 +174,11 @@ def main():
         r["one_gpu_replica_recall"] = recall(i_one, replica_truth)
         if sizes_equal:
             r["sharded_recall"] = recall(sharded_ids, truth)
+            r["partitioned_recall"] = recall(partitioned_ids, truth)
             r["exact_equal"] = bool(torch.equal(exact_ids, truth))
         r["build_ratio"] = r["sharded_build_s"] / r["one_gpu_build_s"]
         r["sharded_qps_ratio"] = r["one_gpu_search_s"] / r["sharded_search_s"]
+        r["partitioned_qps_ratio"] = r["one_gpu_search_s"] / r["partitioned_search_s"]
         r["replicated_speedup"] = r["one_gpu_replica_search_s"] / r["replicated_search_s"]
         r["replicated_big_speedup"] = r["one_gpu_replica_big_search_s"] / r["replicated_big_search_s"]
         r["collective_share"] = 1 - max(r["sharded_steps_s"]["local_search_s"]) / r["sharded_search_s"]
@@ -187,6 +199,12 @@ def main():
                  f"{r.get('sharded_recall', float('nan')):.4f} | {n // world:,} rows: "
                  f"{nq / r['one_gpu_search_s']:,.0f} q/s; all {n:,} rows: recall {r['one_gpu_whole_recall']:.4f} | "
                  f"{r['sharded_qps_ratio']:.2f}x the q/s |",
+                 f"| partitioned search, {args.probes} of {world} shards per query (built in "
+                 f"{r['partitioned_build_s']:.2f} s; rows per rank "
+                 f"{' / '.join(f'{v:,.0f}' for v in r['partition_rows'])}) | "
+                 f"{nq / r['partitioned_search_s']:,.0f} q/s, recall {r.get('partitioned_recall', float('nan')):.4f} | "
+                 f"{n // world:,} rows: {nq / r['one_gpu_search_s']:,.0f} q/s | "
+                 f"{r['partitioned_qps_ratio']:.2f}x the q/s |",
                  f"| replicated search ({n // world:,} rows) | {nq / r['replicated_search_s']:,.0f} q/s, recall "
                  f"{r['replicated_recall']:.4f} | {nq / r['one_gpu_replica_search_s']:,.0f} q/s, recall "
                  f"{r['one_gpu_replica_recall']:.4f}; {nq // world:,} queries: "
