@@ -16,6 +16,11 @@ import torch_grnnd as grnnd
 from conftest import clustered, exact_neighbours
 
 N, DIM, QUERIES = 6000, 16, 300
+EXTRA = 40  # rows each rank adds
+
+
+def extra_rows(world: int):
+    return clustered(world * EXTRA, DIM, 30, seed=52)
 
 
 def dataset():
@@ -68,6 +73,33 @@ def worker(rank: int, world: int, init: str, out: str, device: str):
         grnnd.distributed.ShardedIndex.from_state_dict(parted.state_dict()).search(my_queries, 10,
                                                                                    list_size=64)[1].cpu(),
         result[f"partitioned_{world}"])
+    # Growth: each rank adds rows of its own (numbered after every id, rank by rank), to its
+    # shard or, partitioned, to the shard of their nearest centre; then ranks remove vectors that
+    # any rank holds.
+    added = extra_rows(world)[rank * EXTRA:(rank + 1) * EXTRA].to(device)
+    want = N + rank * EXTRA + torch.arange(EXTRA)
+    grown = grnnd.distributed.ShardedIndex.build(mine)
+    for index, key in ((grown, "grown"), (parted, "parted")):
+        index.add(added)
+        result[f"{key}_added_found"] = torch.equal(index.search(added, 1, list_size=64)[1][:, 0].cpu(), want)
+    gone = torch.tensor([7 * rank, N + rank * EXTRA + 1])  # an original row and an added one, any rank's
+    grown.remove(gone.to(device))
+    result["grown_len"] = len(grown)
+    result["grown_search"] = grown.search(my_queries, 10, list_size=64)[1].cpu()
+    try:
+        grown.remove(torch.tensor([7 * rank], device=device))  # already removed: every rank raises
+        result["remove_again"] = None
+    except ValueError as e:
+        result["remove_again"] = str(e)
+    # Restored onto fewer ranks: each takes some saved shards and merges them.
+    torch.save(grown.state_dict(), os.path.join(out, f"grown{rank}.pt"))
+    dist.barrier()
+    states = [torch.load(os.path.join(out, f"grown{r}.pt"), weights_only=True) for r in range(world)]
+    fewer = dist.new_group(list(range(world - 1)))
+    if rank < world - 1:
+        restored = grnnd.distributed.ShardedIndex.from_state_dicts(states, group=fewer)
+        result["resharded"] = restored.search(queries.to(device), 10, list_size=64)[1].cpu()
+        result["resharded_len"] = len(restored)
     replicated = grnnd.distributed.ReplicatedIndex(grnnd.Index.build(data.to(device)))
     result["replicated"] = [t.cpu() for t in replicated.search(queries.to(device), 10, list_size=64)]
     # Mismatches: every rank must raise (a hang would time the test out).
@@ -128,6 +160,18 @@ def check(results, world):
     assert everywhere >= recall(one, truth) - 0.01
     assert recall(torch.cat([r["partitioned_1"] for r in results]), truth) >= everywhere - 0.05
     assert all(r["partitioned_restored_equal"] for r in results)
+    # Growth: added rows found under the ids they were numbered with; removed ones never again.
+    assert all(r["grown_added_found"] and r["parted_added_found"] for r in results)
+    gone = torch.tensor([g for r in range(world) for g in (7 * r, N + r * EXTRA + 1)])
+    assert all(r["grown_len"] == N + world * EXTRA - 2 * world for r in results)
+    grown = torch.cat([r["grown_search"] for r in results])
+    assert not bool(torch.isin(grown, gone).any()) and recall(grown, truth) >= recall(one, truth) - 0.02
+    assert all("every id must name one live vector" in r["remove_again"] for r in results)
+    # Restored onto one rank fewer: the same vectors, the same recall.
+    for r in results[:-1]:
+        assert r["resharded_len"] == N + world * EXTRA - 2 * world
+        assert not bool(torch.isin(r["resharded"], gone).any())
+        assert recall(r["resharded"], truth) >= recall(one, truth) - 0.02
     user = torch.cat([r["user_ids"] for r in results])
     assert ((user - 7) % 3 == 0).all() and recall((user - 7) // 3, truth) >= recall(one, truth) - 0.01
     # Replicated: every rank gets the same answer for the whole batch, as good as one index's.

@@ -22,7 +22,9 @@ never enter. Collectives otherwise wait as long as the process group's ``timeout
 ``init_process_group``) allows.
 
 Each rank's state is its own (:meth:`ShardedIndex.state_dict`): save it per rank, or with
-``torch.distributed.checkpoint``.
+``torch.distributed.checkpoint``; :meth:`ShardedIndex.from_state_dicts` restores them onto fewer
+ranks. A sharded index takes :meth:`~ShardedIndex.add`, :meth:`~ShardedIndex.remove` and
+:meth:`~ShardedIndex.compact` with every rank taking part.
 """
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
-from .index import Index
+from .index import Index, merge
 from .params import BuildParams, SearchParams
 from .progress import Progress
 
@@ -300,6 +302,19 @@ def _all_to_all_rows(rows: Tensor, counts: Sequence[int], group: Optional[dist.P
     return received.to(home), got_counts
 
 
+def _to_partitions(rows: Tensor, ids: Tensor, centres: Tensor, bias: Tensor, metric: str,
+                   group: Optional[dist.ProcessGroup]) -> Tuple[Tensor, Tensor]:
+    """This rank's share of every rank's ``rows`` (and their ids) once each row has gone to the
+    rank of its centre, argmin(distance + bias) (two all-to-alls)."""
+    world = dist.get_world_size(group)
+    parts = (_centre_distances(rows, centres, metric) + bias).argmin(1)
+    order = torch.argsort(parts, stable=True)
+    counts = torch.bincount(parts, minlength=world).tolist()
+    rows, _ = _all_to_all_rows(rows[order], counts, group)
+    ids, _ = _all_to_all_rows(ids[order], counts, group)
+    return rows, ids
+
+
 class ShardedIndex:
     """One index over the rows of every rank: each rank holds and searches its own shard.
 
@@ -320,6 +335,8 @@ class ShardedIndex:
         self.local, self.offset, self.total, self.group = local, offset, total, group
         self.user_ids = user_ids
         self.centres, self.probes = centres, probes
+        # Without user ids the index numbers the vectors it gets: the next number to give.
+        self.next_id: Optional[int] = None
 
     @classmethod
     def build(cls, local_data: Tensor, params: Optional[BuildParams] = None, *, metric: ops.Metric = "l2",
@@ -338,6 +355,7 @@ class ShardedIndex:
         offset, total, sizes = _setup("ShardedIndex.build", group, local_data, metric, has_ids=int(ids is not None),
                                       partition=int(partition), probes=probes)
         user_ids = ids is not None
+        numbered = ids is None
         if ids is None:
             ids = torch.arange(offset, offset + local_data.shape[0], device=local_data.device)
         centres = None
@@ -348,14 +366,64 @@ class ShardedIndex:
             sizes = _agree(group, "ShardedIndex.build", rows_each=local_data.shape[0])
             centres, bias = _partition_centres(local_data, metric, [row[0] for row in sizes], group,
                                                BuildParams.merge(params, **settings).seed)
-            parts = (_centre_distances(local_data, centres, metric) + bias).argmin(1)
-            order = torch.argsort(parts, stable=True)
-            counts = torch.bincount(parts, minlength=world).tolist()
-            local_data, _ = _all_to_all_rows(local_data[order], counts, group)
-            ids, _ = _all_to_all_rows(ids[order], counts, group)
+            local_data, ids = _to_partitions(local_data, ids, centres, bias, metric, group)
             user_ids = True  # a shard's ids no longer follow the ranks
         local = Index.build(local_data, params, metric=metric, ids=ids, progress=progress, **settings)
-        return cls(local, offset if centres is None else 0, total, group, user_ids, centres, probes)
+        index = cls(local, offset if centres is None else 0, total, group, user_ids, centres, probes)
+        index.next_id = total if numbered else None
+        return index
+
+    def add(self, vectors: Tensor, ids: Optional[Tensor] = None, *, progress: Progress = False) -> None:
+        """Add this rank's ``vectors`` [B, D] (every rank calls it, each with its own, possibly
+        none). A partitioned index sends each to the shard of its nearest centre; otherwise they
+        join this rank's shard (:meth:`Index.add`). ``ids``: their user ids, on every rank or none,
+        as the build had them; without, the vectors are numbered after every id so far, rank by
+        rank."""
+        what = "ShardedIndex.add"
+        offset, added, _ = _setup(what, self.group, vectors, self.local.metric, has_ids=int(ids is not None))
+        if (ids is None) != (self.next_id is not None):
+            raise ValueError(f"{what}: ids are " + ("required: the index has user ids" if ids is None else
+                                                    "not taken: the index numbers its vectors itself"))
+        if ids is None:
+            ids = torch.arange(self.next_id + offset, self.next_id + offset + vectors.shape[0], device=vectors.device)
+            self.next_id += added
+        elif ids.shape != (vectors.shape[0],):
+            raise ValueError(f"{what}: ids: expected shape [{vectors.shape[0]}], got {tuple(ids.shape)}")
+        if self.centres is not None:
+            bias = torch.zeros(self.centres.shape[0], device=self.centres.device)
+            vectors, ids = _to_partitions(vectors, ids.to(vectors.device), self.centres, bias, self.local.metric,
+                                          self.group)
+        if vectors.shape[0] > 0:
+            self.local.add(vectors, ids.to(self.local.device), progress=progress)
+        self.total += added
+        self.user_ids = True  # new ids no longer follow the ranks
+
+    def remove(self, ids: Tensor) -> None:
+        """Hide the vectors with these ids from every later search (every rank calls it, each
+        with any ids, possibly none, of vectors on any rank). Ids that no shard holds live, or
+        that repeat, raise on every rank and change nothing."""
+        what = "ShardedIndex.remove"
+        ids = ids.reshape(-1).long()
+        sizes = [row[0] for row in _agree(self.group, what, ids_each=ids.shape[0])]
+        if sum(sizes) == 0:  # the same table on every rank: all return here
+            return
+        everyone = _all_gather_rows(ids[:, None], sizes, self.group)[:, 0].to(self.local.device)
+        live = self.local.ids if self.local.removed is None else self.local.ids[~self.local.removed]
+        mine = everyone[torch.isin(everyone, live)]
+        counts = torch.tensor([mine.shape[0], everyone.unique().shape[0]], device=_comm_device(self.group))
+        found = counts.clone()
+        dist.all_reduce(found, group=self.group)
+        if found[0] != everyone.shape[0] or counts[1] != everyone.shape[0]:
+            raise ValueError(f"{what}: of {everyone.shape[0]} ids from all ranks, {int(counts[1])} distinct and "
+                             f"{int(found[0])} live in a shard; every id must name one live vector, once")
+        if mine.shape[0] > 0:
+            self.local.remove(mine)
+        self.total -= everyone.shape[0]
+
+    def compact(self) -> None:
+        """Drop the removed vectors of this rank's shard for good (:meth:`Index.compact`; no
+        collective, each rank when it likes)."""
+        self.local.compact()
 
     def search(self, queries: Tensor, k: Optional[int] = None, *, params: Optional[SearchParams] = None,
                **settings: Any) -> Tuple[Tensor, Tensor]:
@@ -407,27 +475,60 @@ class ShardedIndex:
         return _best(d.permute(1, 0, 2), i.permute(1, 0, 2), k)
 
     def __len__(self) -> int:
+        """Live vectors on all ranks."""
         return self.total
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard and where it sits: save one per rank."""
         return {"local": self.local.state_dict(), "offset": self.offset, "total": self.total,
                 "user_ids": self.user_ids, "rank": dist.get_rank(self.group),
-                "world_size": dist.get_world_size(self.group), "centres": self.centres, "probes": self.probes}
+                "world_size": dist.get_world_size(self.group), "centres": self.centres, "probes": self.probes,
+                "next_id": self.next_id}
 
     @classmethod
     def from_state_dict(cls, state: Dict[str, Any], group: Optional[dist.ProcessGroup] = None) -> "ShardedIndex":
-        """Inverse of :meth:`state_dict` in a group of the same size, each rank loading its own."""
+        """Inverse of :meth:`state_dict` in a group of the same size, each rank loading its own
+        (see :meth:`from_state_dicts` for another number of ranks)."""
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         if state.get("world_size") != world or state.get("rank") != rank:
             raise ValueError(f"state: saved by rank {state.get('rank')} of {state.get('world_size')}, loaded by rank "
-                             f"{rank} of {world}; load each rank's own state in a group of the same size")
+                             f"{rank} of {world}; load each rank's own state in a group of the same size, or all "
+                             "of them with ShardedIndex.from_state_dicts")
         local = Index.from_state_dict(state["local"])
         centres = state.get("centres")
         if centres is not None and (not isinstance(centres, Tensor) or tuple(centres.shape) != (world, local.data.shape[1])):
             raise ValueError(f"state: centres must be a [{world}, {local.data.shape[1]}] tensor, one per rank")
-        return cls(local, state["offset"], state["total"], group, state.get("user_ids", True),
-                   None if centres is None else centres.to(local.data.device), state.get("probes", 2))
+        index = cls(local, state["offset"], state["total"], group, state.get("user_ids", True),
+                    None if centres is None else centres.to(local.data.device), state.get("probes", 2))
+        index.next_id = state.get("next_id")
+        return index
+
+    @classmethod
+    def from_state_dicts(cls, states: Sequence[Dict[str, Any]], group: Optional[dist.ProcessGroup] = None
+                         ) -> "ShardedIndex":
+        """The shards saved by every rank of a group of any size at least this one's (``states``
+        in their rank order, the same list on every rank), restored onto this group: rank r takes
+        the saved shards r, r + W, r + 2W, ... and merges them (:func:`torch_grnnd.merge`, no
+        rebuild). The ids stay those of the saved index. A partitioned index, whose centres are
+        one per rank, restores onto the same number of ranks only."""
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        saved = len(states)
+        if any(s.get("world_size") != saved or s.get("rank") != j for j, s in enumerate(states)):
+            raise ValueError("states: expected every saved rank's state once, in rank order")
+        if saved < world:
+            raise ValueError(f"states: {saved} saved shards cannot fill {world} ranks; restore onto at most {saved}")
+        if saved != world and states[0].get("centres") is not None:
+            raise ValueError(f"states: a partitioned index of {saved} shards restores onto {saved} ranks only, "
+                             f"not {world}")
+        if saved == world:
+            return cls.from_state_dict(states[rank], group)
+        mine = [Index.from_state_dict(states[j]["local"]) for j in range(rank, saved, world)]
+        local = mine[0]
+        for other in mine[1:]:
+            local = merge(local, other)
+        index = cls(local, 0, states[0]["total"], group, True)  # merged shards' ids no longer follow the ranks
+        index.next_id = states[0].get("next_id")
+        return index
 
 
 @dataclasses.dataclass
