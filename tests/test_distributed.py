@@ -1,11 +1,13 @@
 """torch_grnnd.distributed on CPU processes joined by gloo (2 and 3 ranks, spawned here), against
 one process holding all the data: exact ops give the same neighbours, the sharded index the
-same recall within 0.01; mismatched ranks raise on every rank instead of hanging.
+same recall within 0.01; the partitioned index, growth and restores onto fewer ranks; mismatched
+ranks raise on every rank instead of hanging, and a rank that dies makes the other raise.
 
 With a GPU, two gloo ranks share it (the CUDA path of the same code).
 """
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -215,3 +217,35 @@ def test_the_merge_of_shard_answers_orders_ties_by_id():
         d, i = grnnd.distributed._best(dists, offsets, 5, ids_follow_ranks=follow)
         assert i.tolist() == [[0, 10, 11, 1, 12], [2, 3, 4, 13, -1]]
         assert d[1, -1] == inf
+
+
+def dying_worker(rank: int, init: str, out: str):
+    import datetime
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=10))
+    torch.set_num_threads(1)
+    data, queries = dataset()
+    if rank == 1:
+        os._exit(0)  # a rank that dies without a word, before the collectives
+    start = time.monotonic()
+    try:
+        grnnd.distributed.knn(data[:100], queries[:10], 5)
+        outcome = "returned"
+    except Exception as e:  # what gloo raises for a lost peer or a timeout
+        outcome = f"raised {type(e).__name__}: {e}"
+    with open(os.path.join(out, "outcome.txt"), "w") as f:
+        f.write(f"{time.monotonic() - start:.1f}\n{outcome}")
+    os._exit(0)
+
+
+def test_a_rank_that_dies_makes_the_others_raise():
+    out = tempfile.mkdtemp()
+    init = "file://" + os.path.join(out, "rendezvous")
+    context = mp.get_context("spawn")
+    workers = [context.Process(target=dying_worker, args=(rank, init, out)) for rank in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert not any(w.is_alive() for w in workers), "a rank hung"
+    seconds, outcome = open(os.path.join(out, "outcome.txt")).read().split("\n", 1)
+    assert outcome.startswith("raised") and float(seconds) <= 60, outcome
