@@ -66,12 +66,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    use_cuda = args.device == "cuda"
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = grnnd.distributed.init_process_group(args.device)  # NCCL on GPUs, gloo on CPUs
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
@@ -88,7 +83,7 @@ def main() -> int:
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     encoder = nn.Sequential(nn.Linear(x.shape[1], 128), nn.ReLU(), nn.Linear(128, 32)).to(device)
-    model = DistributedDataParallel(encoder, device_ids=[local_rank] if use_cuda else None)
+    model = DistributedDataParallel(encoder, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 
     losses, purities = [], []

@@ -1,6 +1,7 @@
 """The benchmarks' regression guard (benchmarks/report.py, regressions): a point slower at equal
-recall than the previous run on the same GPU model is flagged, nothing else is; and the data
-families of benchmarks/bench_scale.py with their rare-category queries."""
+recall than the previous run on the same GPU model is flagged, nothing else is; the data families
+of benchmarks/bench_scale.py with their rare-category queries; bench_distributed_scale.py at toy
+size on two CPU ranks."""
 import copy
 import json
 import os
@@ -83,3 +84,19 @@ def test_scale_families_and_their_rare_queries():
     big = sizes.argsort(descending=True)[:2]
     spread = torch.stack([base[base_labels == c].float().std(0) for c in big])
     assert (spread[0] / spread[1]).max() > 2 and (spread[0] / spread[1]).min() < 0.5
+
+
+def test_the_distributed_scale_benchmark_runs_on_two_cpu_ranks(tmp_path):
+    # benchmarks/bench_distributed_scale.py at toy size under torchrun (gloo): each rank makes its
+    # own rows, both indexes are built and searched, rank 0 writes the run and --table the table.
+    import subprocess
+    script = os.path.join(ROOT, "benchmarks", "bench_distributed_scale.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
+                           "--data", "clustered:n=6000,d=16,clusters=20,queries=200", "--device", "cpu",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = json.load(open(tmp_path / "distributed_scale_clustered-6k-d16-c20_w2.json"))
+    assert run["sharded_recall"] >= 0.95 and run["partitioned_recall"] >= 0.95 and sum(run["partition_rows"]) == 6000
+    subprocess.run([sys.executable, script, "--table", str(tmp_path / "distributed_scale_clustered-6k-d16-c20_w2.json"),
+                    "--out", str(tmp_path)], check=True, capture_output=True, timeout=120)
+    assert "| 2 | 3,000 |" in (tmp_path / "distributed_scale_clustered-6k-d16-c20_table.md").read_text()

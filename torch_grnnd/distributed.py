@@ -27,6 +27,7 @@ ranks. A sharded index takes :meth:`~ShardedIndex.add`, :meth:`~ShardedIndex.rem
 :meth:`~ShardedIndex.compact` with every rank taking part.
 """
 import dataclasses
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -42,6 +43,28 @@ from .progress import Progress
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 _METRICS = ["l2", "ip", "cosine"]
+
+
+def init_process_group(device: str = "cuda") -> torch.device:
+    """Join the process group that ``torchrun`` describes (its environment variables) and return
+    this process's device: with ``device="cuda"``, GPU ``LOCAL_RANK`` made current and NCCL
+    between the GPUs; with ``"cpu"``, gloo. Call it once per process, before any op of this
+    module.
+
+    Example (``torchrun --nproc_per_node=4 job.py``)::
+
+        device = grnnd.distributed.init_process_group()
+        index = grnnd.distributed.ShardedIndex.build(my_rows.to(device))
+    """
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f'device: expected "cuda" or "cpu", got {device!r}')
+    if device == "cuda":
+        where = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(where)
+    else:
+        where = torch.device("cpu")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return where
 
 
 def _comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
