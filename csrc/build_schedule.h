@@ -92,15 +92,10 @@ inline Split start_split(int64_t init_split, c10::string_view init_mode, int64_t
 // flags). A pair of two old entries was compared before and passed (RNN-Descent's new/old
 // flags). In a merge only pairs across the two graphs are compared, as seed 003's GGM compares
 // them: what a merge must find is how the rows of one graph sit among those of the other, and a
-// pair of two rows of one graph was pruned by that graph's own build. Comparing the other graph's
-// rows with each other as well (a pair of two rows of the vertex's own graph was always skipped)
-// refined both graphs a little, but its hand-overs within one graph kept a merge busy to its cap
-// of eight rounds: with pairs across only, merges of clustered halves ended after six or seven
-// rounds, and merges took 40% to 50% of a fresh build's time instead of 54% to 59%, at
-// recall@10 (list 64) within 0.0025 of the fresh build where the wider rule had been up to 0.002
-// above it (one H100 and one H200: clustered 10M x 128 and 1M x 384, Zipf-sized clusters and
-// anisotropic rows 2M; benchmarks/README.md, "A merge compares pairs across the two graphs
-// only"). A growing graph compares every pair with a new row in it, for the same reason.
+// pair of two rows of one graph was pruned by that graph's own build (comparing those too kept
+// merges busy to their cap of rounds for no recall: benchmarks/README.md, "A merge compares pairs
+// across the two graphs only"). A growing graph compares every pair with a new row in it, for
+// the same reason.
 GRNND_HOST_DEVICE bool compares_pair(int64_t a, bool a_new, int64_t b, bool b_new, const Split& split) {
   if (!a_new && !b_new) return false;
   if (split.row == 0) return true;

@@ -15,29 +15,16 @@ from .params import MAX_LIST_SIZE, BuildParams, SearchParams
 from .progress import Progress
 
 
-# A batch of at least this share of the index's rows is added by one build of the index's rows
-# and the batch that starts from the index's graph (ops.build's init_mode="grow") instead of a
-# search of the graph for each new row. One H100, `python benchmarks/bench_update.py --scenarios
-# large_adds` (time as a share of a fresh build, recall@10 at list 64; benchmarks/README.md, "A
-# large batch's own candidates come from a build"): clustered 1M x 384, by search / grown, 10%
-# 32% at 0.9898 / 45% at 0.9863, 25% 64% at 0.9918 / 60% at 0.9890, 50% 114% / 80%; anisotropic
-# 2M x 96, 25% 79% at 0.7629 / 74% at 0.7319, 50% 149% / 82%; blobs 2M x 1024, 10% 31% / 29%,
-# 25% 68% / 43%. The search leaves the better graph but its cost grows faster than the batch's,
-# so batches from a quarter grow.
+# A batch of at least this share of the index's rows joins the graph in one build that starts
+# from the index's graph (ops.build's init_mode="grow") instead of a search per new row: the
+# search leaves the better graph, but its cost grows faster than the batch (benchmarks/README.md,
+# "Where a large add should stop searching and grow").
 LARGE_ADD_SHARE = 0.25
 
 # A batch added by search also takes candidates among its own rows: their exact nearest rows up
-# to this many rows, above it the rows of a build of the batch. The exact k-NN of a batch costs
-# B^2 x D, where the rest of an add grows with B. A quarter added to blobs 2M x 1024 (500 000
-# rows) spent 1.5 of its 2.54 s in that k-NN (one H100, torch.profiler) and took 1.64 s with the
-# build, at the same recall@10 at list 64 (0.9879); clustered 1M x 384, 250 000 rows: 0.447 s
-# against 0.281 s (0.9916, 0.9918); anisotropic 2M x 96, 500 000 rows: 1.305 s against 0.531 s
-# (0.7689, 0.7629). At 200 000 rows the two took about the same time on the 1024-d rows (0.73 s,
-# 0.75 s) and 0.33 s against 0.22 s on the 96-d ones (one H100, a one-off script that forced
-# each way; fresh builds 2.44 s, 0.44 s and 0.68 s). At 10M x 1024 (one H200, `python
-# benchmarks/bench_update.py --data blobs:10000000x1024 --scenarios bulk_growth,large_adds`;
-# fresh build 8.84 s) a tenth added by search took 7.49 s before and 3.07 s after, a quarter
-# 38.3 s and 6.93 s.
+# to this many rows, above it the rows of a build of the batch. The exact k-NN costs B^2 x D
+# where the rest of an add grows with B; at 2^17 rows the two took about the same time
+# (benchmarks/README.md, "A large batch's own candidates come from a build").
 EXACT_BATCH_ROWS = 1 << 17
 
 

@@ -8,31 +8,16 @@ cells of the union's hubs (``init_split``), as new ones: its own graph's rows we
 its own build. The rounds compare only pairs with a new entry and, as GGM does, only pairs
 across the two graphs (``compares_pair`` in csrc/build_schedule.h): a pair of two rows of one
 graph was pruned by that graph's own build, so the work goes to where the rows of one graph sit
-among those of the other; they stop when a round changes little, as a fresh build does. Pairs
-across only took merges of halves from 54-59% to 40-50% of a fresh build's time, at recall@10
-within 0.0025 of the fresh build's where the wider rule had been up to 0.002 above it
-(benchmarks/README.md, "A merge compares pairs across the two graphs only").
-With half the build's draws, starting from the rule's entries took a merge of clustered 10M x
-128 halves from 61% to 48% of a fresh build's time and one of 1M real sentence embeddings from
-63% to 48%, recall within 0.0005 of the fresh build (one H100, benchmarks/README.md, "A merge
-starts from the rows' rule-kept entries"); a fixed cut of each row to its nearest 16 or 24
-entries was as fast on the clustered rows but lost up to 0.018 recall on the embeddings.
+among those of the other.
 
-A merge runs one outer iteration (its rounds, then reverse edges) unless told otherwise. Both
-graphs have been through their own reverse edges; what is missing is the edges between the
-parts, which the first outer iteration finds; a fresh build's stopping rule, which waits for an
-outer iteration that starts settled, took 12% to 29% more time for at most 0.001 more
-recall@10 at list 64 (one H100: clustered 2M and 4M x 128, 1M x 384; CPU: 100k real sentence
-embeddings, clustered and Zipf-sized clusters; benchmarks/README.md, updates).
+A merge runs one outer iteration (its rounds, then reverse edges) unless told otherwise: both
+graphs have been through their own reverse edges, and what is missing is the edges between the
+parts, which the first outer iteration finds. It draws as many rows as a build (S =
+``initial_degree``): half the draws saved time on clustered rows but lost recall where
+neighbourhoods are hard to find; ``initial_degree=8`` trades recall for time.
 
-A merge draws as many rows as a build (S = ``initial_degree``) unless told otherwise. While
-its start held the fill's entries, half the draws saved time at equal recall; from the rule's
-entries, half the draws made clustered 10M x 128 halves merge in 48% of a fresh build's time
-instead of 60% (recall 0.9937 and 0.9944, fresh 0.9941; one H100), but lost recall where
-neighbourhoods are hard to find: on 100k anisotropic Gaussian rows (CPU) 0.917 against 0.9265
-with the full draws (fresh 0.929, d = 48) and 0.9371 against 0.9432 (fresh 0.9435, d = 96); on
-2M x 96 such rows (H100) 0.7207 against 0.7375 (fresh 0.7254, and the full draws 48% of its time).
-The merge keeps the recall; ``initial_degree=8`` trades it for time.
+Measured in benchmarks/README.md: "A merge compares pairs across the two graphs only", "A merge
+starts from the rows' rule-kept entries, and draws from the other graph", and the updates.
 """
 from typing import Any, Dict, Tuple
 
