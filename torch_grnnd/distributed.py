@@ -38,6 +38,7 @@ from . import ops
 from .index import Index, merge
 from .params import BuildParams, SearchParams
 from .progress import Progress
+from .results import best_k, padded
 
 # One all-gather into one tensor: all_gather_single in newer PyTorch, which deprecates the older name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -134,26 +135,10 @@ def _exchange(dists: Tensor, ids: Tensor, sizes: Sequence[int], group: Optional[
 
 
 def _best(dists: Tensor, ids: Tensor, k: int, ids_follow_ranks: bool = False) -> Tuple[Tensor, Tensor]:
-    """The k best of ``[world, q, k']`` candidates per query, ascending by (distance, id), padded
-    with (inf, -1) where all shards together have fewer (each shard's list is ascending by
-    (distance, id), with (inf, -1) after its last find). ``ids_follow_ranks``: every id of a rank
-    is below every id of the ranks after it (rank offsets), so the rank order already breaks
-    distance ties by id and a single sort does."""
-    d = dists.permute(1, 0, 2).flatten(1)
-    i = ids.permute(1, 0, 2).flatten(1)
-    if not ids_follow_ranks:
-        order = torch.argsort(i, dim=1, stable=True)   # ties by id ...
-        d, i = d.gather(1, order), i.gather(1, order)
-    d, order = torch.sort(d, dim=1, stable=True)       # ... then by distance
-    return _padded(d[:, :k], i.gather(1, order[:, :k]), k)
-
-
-def _padded(dists: Tensor, ids: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    """Results widened to k columns with (inf, -1)."""
-    if dists.shape[1] < k:
-        dists = torch.nn.functional.pad(dists, (0, k - dists.shape[1]), value=float("inf"))
-        ids = torch.nn.functional.pad(ids, (0, k - ids.shape[1]), value=-1)
-    return dists, ids
+    """The k best of ``[parts, q, k']`` candidates per query (:func:`results.best_k`: ascending by
+    (distance, id), (inf, -1) padded). ``ids_follow_ranks``: every id of a part is below every id
+    of the parts after it (rank offsets), so a single sort does."""
+    return best_k(dists.permute(1, 0, 2).flatten(1), ids.permute(1, 0, 2).flatten(1), k, ids_ordered=ids_follow_ranks)
 
 
 def _setup(what: str, group: Optional[dist.ProcessGroup], data: Tensor, metric: str,
@@ -218,7 +203,7 @@ def knn(local_data: Tensor, queries: Tensor, k: int, *, metric: ops.Metric = "l2
         if n == 0:
             return _no_rows(everyone, k)
         dists, ids = ops.knn(local_data, everyone.to(local_data.dtype), min(k, n), metric=metric)
-        return _padded(dists, ids + offset, k)
+        return padded(dists, ids + offset, k)
 
     return _search_everywhere(local, queries, k, sizes, group, ids_follow_ranks=True)
 
@@ -465,7 +450,7 @@ class ShardedIndex:
             if n == 0:
                 return _no_rows(everyone, k)
             dists, ids = self.local.search(everyone.to(self.local.data.dtype), min(k, n), params=p)
-            return _padded(dists, ids, k)
+            return padded(dists, ids, k)
 
         if self.centres is not None:
             return self._search_routed(local, queries, p.k)
@@ -494,8 +479,8 @@ class ShardedIndex:
                                input_split_sizes=got_counts, group=self.group)
         answers = torch.empty_like(back)
         answers[order.to(device)] = back
-        d, i = _unpacked(answers.view(q, probes, k, 3).to(home))
-        return _best(d.permute(1, 0, 2), i.permute(1, 0, 2), k)
+        d, i = _unpacked(answers.view(q, probes * k, 3).to(home))
+        return best_k(d, i, k)
 
     def __len__(self) -> int:
         """Live vectors on all ranks."""

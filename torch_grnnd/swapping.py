@@ -34,6 +34,7 @@ from . import ops
 from .out_of_core import bytes_per_row, free_bytes, parse_bytes
 from .params import BuildParams, SearchParams
 from .progress import Progress, steps_reporter
+from .results import best_k
 
 
 class SwappingIndex:
@@ -123,9 +124,8 @@ class SwappingIndex:
                                     metric=self.metric)
             found_dists.append(dists)
             found_ids.append(torch.where(ids >= 0, ids + start, ids))
-        # The k best of the shards' k best (padding, at +inf, sorts last).
-        dists, order = torch.cat(found_dists, 1).topk(p.k, dim=1, largest=False)
-        return dists, torch.cat(found_ids, 1).gather(1, order)
+        # The k best of the shards' k best, ties by id as every merge of parts (results.py).
+        return best_k(torch.cat(found_dists, 1), torch.cat(found_ids, 1), p.k)
 
     def _shards(self):
         """(rows, graph) of each shard on the search's device in turn: on a GPU the next shard is
