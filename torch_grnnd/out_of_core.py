@@ -50,48 +50,25 @@ logger = logging.getLogger(__name__)
 # Cells per shard: finer cells make shard borders follow the data more closely.
 CELLS_PER_SHARD = 32
 # The centres (sampled rows, with the search's hubs) are in every shard and get a graph of their
-# own, the skeleton: without it 13 shards of 20k x 64 clustered rows recalled 0.914 instead of
-# 1.0 at list 64 with rows as close to the true neighbours as the whole build's: the walk found
-# no way between regions. Once only rows near a border are shared, the skeleton is most of what
-# joins the shards, so there are at least CENTRES_PER_CELL per cell and one per ROWS_PER_CENTRE
-# rows, at most a quarter of a shard. Clustered rows, recall@10 at list 64 of queries whose
-# cluster holds no hub (the search enters at hubs) against 0.9866 for the whole build: 1M x 1024
-# in 8 shards (H100), 0.8426 with 2791 centres (four per cell), 0.9845 with 8163 (16 per cell;
-# the rule here gives about 8.8k there, a count not measured); at list 16,
-# 20k x 64 in 5 and 13 shards (CPU), all queries: 0.890 and 0.984 with one centre per cell,
-# 0.996 and 0.997 with four, as when half the rows were shared.
-# The centres are also where edges land that cross between shards: a row's shard holds every
-# centre, so the row links to centres of regions that other shards own, and a search reaches such
-# a region through them. What a sharded build loses is queries whose region holds no hub, whose
-# walk from the nearest hubs never arrives (10M x 1024 clustered rows in 8 GB, 2000 queries:
-# every query that found none of its cluster, 24 against 3 for the whole build, was in a cluster
-# without a hub, and edges into a cluster from rows of other shards numbered a median 1424
-# against 3399 in the whole build). A region's centres set how many such edges it can get: over
-# three plan seeds, one centre per 128 rows recalled 0.9746 / 0.9754 / 0.9725 (24.5-26.2 s), per
-# 64 0.9736 / 0.9778 / 0.9798 (27.0-27.3 s), per 32 0.9801 / 0.9800 / 0.9778 (30.2-32.2 s),
-# against 0.9804 in memory (10.5 s); on 4M x 128 rows in 1 GB (seeds 0 and 1), Zipf-sized
-# clusters 0.7565 / 0.7484, 0.7667 / 0.7560 and 0.7684 / 0.7780 (0.7715 in memory), blobs the
-# same for all three, and anisotropic rows 0.5571 / 0.5597, 0.5514 / 0.5626 and 0.5361 / 0.5421:
-# centres take the places of shared rows, so 32 shared fewer (one H100, benchmarks/README.md,
-# "Centres as landing sites").
+# own, the skeleton, which joins the shards: a walk crosses between regions through them, and a
+# row links to the centres of regions other shards own. At least CENTRES_PER_CELL per cell and
+# one per ROWS_PER_CENTRE rows, at most a quarter of a shard: fewer lost the queries whose region
+# holds no hub (benchmarks/README.md, "Centres as landing sites" and "Small checks behind the
+# out-of-core constants").
 CENTRES_PER_CELL = 4
 ROWS_PER_CENTRE = 64
 # The most shards a plan may have: each owns at least this share of the rows that fit. It also
 # sets the number of cells (CELLS_PER_SHARD for each of that many shards).
 PRIMARY_SHARE = 0.5
 # The cells are k-means centroids: Lloyd's iterations on this many sampled rows per cell, starting
-# from sampled rows. Cells around sampled rows cut clusters apart: on 200k x 128 rows in 200
-# clusters (CPU), 73% of a row's true 10-NN lay in its own cell around sampled rows and 97% in its
-# own k-means cell, and the rows near a border (_share_margin) fell from 60% to 11%.
+# from sampled rows. Cells around sampled rows cut clusters apart; k-means cells follow them, so
+# fewer rows lie near a border (benchmarks/README.md, "K-means cells").
 TRAIN_ROWS_PER_CELL = 64
 LLOYD_ITERS = 8
-# A row may also join the shard of its second-nearest cell. Sharing every such row (clustered
-# rows, 30k x 32 and 20k x 64, 4 and 20 shards, CPU; recall@10 at list 64 against 0.9995 / 0.999
-# for the whole build): with no shared rows 0.93-0.91 / 0.95-0.92; with the second cell
-# 0.9997-0.9996 / 0.999-0.997, 37-42% of the rows shared; with the nearest other of four cells no
-# better, 72% shared. Now only a row near the border is shared: PROBES rows' exact
-# PROBE_NEIGHBOURS nearest neighbours (among all rows) show how near the border neighbours still
-# cross it, and the shared rows cover SHARE_COVERAGE of those crossings (_share_margin).
+# A row may also join the shard of its second-nearest cell; only a row near the border does:
+# PROBES rows' exact PROBE_NEIGHBOURS nearest neighbours (among all rows) show how near the border
+# neighbours still cross it, and the shared rows cover SHARE_COVERAGE of those crossings
+# (_share_margin). Sharing every row with a second cell in another shard shared 37-42% of them.
 PROBES = 1024
 PROBE_NEIGHBOURS = 10
 SHARE_COVERAGE = 0.99
