@@ -41,12 +41,18 @@ def test_reports_show_convergence_and_end_with_done_equal_to_total():
     assert calls == [(d, 12) for d in range(1, 13)]
 
 
-def test_index_and_knn_graph_report_but_do_not_keep_progress():
+def test_index_and_knn_graph_report_but_do_not_keep_progress(monkeypatch):
     calls = []
     index = grnnd.Index.build(DATA, progress=lambda d, t: calls.append(d), **FIXED)
     assert calls == [1, 2, 3, 4] and "progress" not in dataclasses.asdict(index.build_params)
     calls.clear()
-    grnnd.knn_graph(DATA, 5, torch.tensor([0] * 300 + [1] * 500), progress=lambda d, t: calls.append(d))
+    batch = torch.tensor([0] * 300 + [1] * 500)
+    # Examples this small are searched exactly in one segment-kernel call: no build to report.
+    grnnd.knn_graph(DATA, 5, batch, progress=lambda d, t: calls.append(d))
+    assert calls == []
+    # Larger ones are built one after another, each reporting its rounds.
+    monkeypatch.setattr(grnnd.graph, "EXACT_EXAMPLE_ROWS", 100)
+    grnnd.knn_graph(DATA, 5, batch, progress=lambda d, t: calls.append(d))
     assert calls[0] == 1 and calls.count(1) == 2  # one build per example
 
 
