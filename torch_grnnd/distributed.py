@@ -38,7 +38,7 @@ from . import ops
 from .index import Index, merge
 from .params import BuildParams, SearchParams
 from .progress import Progress
-from .results import best_k, padded
+from .results import best_k, padded, without_own
 
 # One all-gather into one tensor: all_gather_single in newer PyTorch, which deprecates the older name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -217,12 +217,7 @@ def knn_graph(local_data: Tensor, k: int, *, metric: ops.Metric = "l2",
     if k < 1 or k >= total:
         raise ValueError(f"k: expected 1 <= k <= {total - 1} (rows on all ranks minus the row itself), got {k}")
     dists, ids = knn(local_data, local_data, k + 1, metric=metric, group=group)
-    own = torch.arange(offset, offset + local_data.shape[0], device=ids.device)[:, None]
-    # Drop each row's own id; where it is not among its k + 1, drop the last.
-    drop = ids == own
-    drop[:, -1] |= ~drop.any(1)
-    keep = torch.argsort(drop.to(torch.int8), dim=1, stable=True)[:, :k]
-    return dists.gather(1, keep), ids.gather(1, keep)
+    return without_own(dists, ids, torch.arange(offset, offset + local_data.shape[0], device=ids.device)[:, None])
 
 
 # Partitioned shards: rows sampled over all ranks for the partition centres, the Lloyd rounds run

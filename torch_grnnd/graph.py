@@ -8,6 +8,7 @@ from torch import Tensor
 from .ops import Metric
 from .progress import Progress, run_reporting
 from .pyg import _nearest, _search_space
+from .results import without_own
 
 # A batch whose examples have at most this many rows is searched exactly by the segment kernel
 # (torch.ops.grnnd.knn_segments, as torch_grnnd.pyg does: one call for the whole batch) even where
@@ -117,12 +118,8 @@ def _segment_edges(x: Tensor, batch: Tensor, examples: int, others: int, metric:
         points = _search_space(x, metric == "cosine")
         # Relabelled 0..examples-1 in order, so that empty example ids cost nothing.
         labels = torch.cat([batch.new_zeros(1), (batch[1:] != batch[:-1]).long()]).cumsum(0)
-        _, ids = _nearest(points, points, (labels, labels, examples), others + 1)
-        # Each point's own row is among its nearest unless as many duplicates come first: drop it,
-        # or else the farthest, and keep the others in order (-1: the example has no more rows).
-        own = ids == centre[:, None]
-        drop = torch.where(own.any(1, keepdim=True), own, torch.arange(others + 1, device=x.device) == others)
-        ids = ids[~drop].view(n, others)
+        # -1 where the example has no more rows.
+        _, ids = without_own(*_nearest(points, points, (labels, labels, examples), others + 1), centre[:, None])
     else:
         ids = centre.new_zeros(n, 0)
     if loop:

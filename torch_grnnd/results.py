@@ -23,6 +23,16 @@ def best_k(dists: Tensor, ids: Tensor, k: int, ids_ordered: bool = False) -> Tup
     return padded(dists[:, :k], ids.gather(1, order[:, :k]), k)
 
 
+def without_own(dists: Tensor, ids: Tensor, own: Tensor) -> Tuple[Tensor, Tensor]:
+    """A k-NN graph's rows from each row's k + 1 nearest ([q, k + 1] each, nearest first): each
+    row's own id (``own`` [q, 1]) dropped, or the last entry where duplicates of the row kept its
+    own id out; the others keep their order."""
+    drop = ids == own
+    drop[:, -1] |= ~drop.any(1)
+    keep = torch.argsort(drop.to(torch.int8), dim=1, stable=True)[:, :-1]
+    return dists.gather(1, keep), ids.gather(1, keep)
+
+
 def padded(dists: Tensor, ids: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     """Results widened to k columns with (inf, -1)."""
     if dists.shape[1] < k:

@@ -779,8 +779,10 @@ int searches_for_batch(int64_t queries, int sms, int k) {
 // takes as many rows at once as that allows. It differs from team_for_row only for rows of 129
 // to 256 bytes (4 lanes, not 8): on the H200 (1M x 384 real rows, batch 10 000, lists 32-96) the
 // 192-byte int4 rows ran 15-27% faster with 4 lanes than with 8 at the same recall (2.21M against
-// 1.93M q/s at list 64), while 384-byte int8 rows ran alike with 4 or 8. Full rows keep
-// team_for_row: rows of that length were not measured with 4.
+// 1.93M q/s at list 64; a one-off comparison in one process with the team forced, script not
+// kept), while 384-byte int8 rows ran alike with 4 or 8. benchmarks/README.md ("Searching by
+// 4-bit codes") has the committed before/after run. Full rows keep team_for_row: rows of that
+// length were not measured with 4.
 int warp_loop_code_team(int64_t row_bytes) {
   const int64_t chunks = (row_bytes + 15) / 16;
   int team = 4;
