@@ -68,6 +68,13 @@ def synchronise(device: torch.device):
         torch.cuda.synchronize(device)
 
 
+def say(r: dict, *steps: str) -> None:
+    """Rank 0 prints finished steps' times as it goes, so that a long run shows where it is."""
+    if dist.get_rank() == 0:
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+        print(", ".join(f"{s} {r[s + '_s']:.2f} s" for s in steps) + f" (peak GPU memory {peak:.1f} GiB)", flush=True)
+
+
 def seconds(fn, device: torch.device, repeat: int = 1, everyone: bool = True):
     """(result, median wall seconds) of fn, synchronised; with `everyone` between barriers."""
     times, out = [], None
@@ -106,19 +113,23 @@ def measure(args) -> None:
 
     sharded, r["sharded_build_s"] = seconds(lambda: grnnd.distributed.ShardedIndex.build(mine), device)
     (_, i_sh), r["sharded_search_s"] = seconds(lambda: sharded.search(my_queries, **search), device, repeat=3)
+    say(r, "sharded_build", "sharded_search")
     del sharded
     parted, r["partitioned_build_s"] = seconds(
         lambda: grnnd.distributed.ShardedIndex.build(mine, partition=True, probes=probes), device)
     r["partition_rows"] = gathered(torch.tensor([len(parted.local)], device=device)).tolist()
     (_, i_pa), r["partitioned_search_s"] = seconds(lambda: parted.search(my_queries, **search), device, repeat=3)
+    say(r, "partitioned_build", "partitioned_search")
     del parted
     (_, truth), r["exact_knn_s"] = seconds(lambda: grnnd.distributed.knn(mine, my_queries, K), device)
+    say(r, "exact_knn")
     equal_shares = spec["queries"] % world == 0  # all_gather needs equal shapes
     if equal_shares:
         truth_all, sharded_all, parted_all = gathered(truth), gathered(i_sh), gathered(i_pa)
     if rank == 0:  # one GPU holding a share: this rank's rows alone, all the queries (the others wait)
         one, r["one_rank_build_s"] = seconds(lambda: grnnd.Index.build(mine), device, everyone=False)
         _, r["one_rank_search_s"] = seconds(lambda: one.search(queries, **search), device, repeat=3, everyone=False)
+        say(r, "one_rank_build", "one_rank_search")
         del one
         if equal_shares:
             r["sharded_recall"] = grnnd.recall(sharded_all, truth_all, K)

@@ -71,6 +71,16 @@ def worker(rank: int, world: int, init: str, out: str, device: str):
     for probes in (1, world):
         parted.probes = probes
         result[f"partitioned_{probes}"] = parted.search(my_queries, 10, list_size=64)[1].cpu()
+    # The rows move in rounds bounded in bytes: rounds of 37 rows (a different number of rounds
+    # on each rank, the shards being uneven) give each rank the rows one round gives, intact.
+    own_ids = torch.arange(bounds[rank], bounds[rank + 1]).to(device)
+    no_bias = torch.zeros(world, device=device)
+    _, one_round = grnnd.distributed._to_partitions(mine, own_ids, parted.centres, no_bias, "l2", None)
+    grnnd.distributed._EXCHANGE_BYTES = 37 * DIM * mine.element_size()
+    rows, ids = grnnd.distributed._to_partitions(mine, own_ids, parted.centres, no_bias, "l2", None)
+    grnnd.distributed._EXCHANGE_BYTES = 1 << 30
+    result["rounds_same_ids"] = torch.equal(ids.sort().values.cpu(), one_round.sort().values.cpu())
+    result["rounds_rows_intact"] = torch.equal(rows.cpu(), data[ids.cpu()].to(rows.dtype))
     result["partitioned_restored_equal"] = torch.equal(
         grnnd.distributed.ShardedIndex.from_state_dict(parted.state_dict()).search(my_queries, 10,
                                                                                    list_size=64)[1].cpu(),
@@ -162,6 +172,7 @@ def check(results, world):
     assert everywhere >= recall(one, truth) - 0.01
     assert recall(torch.cat([r["partitioned_1"] for r in results]), truth) >= everywhere - 0.05
     assert all(r["partitioned_restored_equal"] for r in results)
+    assert all(r["rounds_same_ids"] and r["rounds_rows_intact"] for r in results)
     # Growth: added rows found under the ids they were numbered with; removed ones never again.
     assert all(r["grown_added_found"] and r["parted_added_found"] for r in results)
     gone = torch.tensor([g for r in range(world) for g in (7 * r, N + r * EXTRA + 1)])

@@ -305,17 +305,41 @@ def _all_to_all_rows(rows: Tensor, counts: Sequence[int], group: Optional[dist.P
     return received.to(home), got_counts
 
 
+# Rows sorted and sent per round of a partition's exchange: the sorted copy stays this small
+# while the rows it moves may fill most of a GPU.
+_EXCHANGE_BYTES = 1 << 30
+
+
 def _to_partitions(rows: Tensor, ids: Tensor, centres: Tensor, bias: Tensor, metric: str,
                    group: Optional[dist.ProcessGroup]) -> Tuple[Tensor, Tensor]:
     """This rank's share of every rank's ``rows`` (and their ids) once each row has gone to the
-    rank of its centre, argmin(distance + bias) (two all-to-alls)."""
-    world = dist.get_world_size(group)
+    rank of its centre, argmin(distance + bias). The rows move in rounds of at most
+    ``_EXCHANGE_BYTES`` per rank, each received straight into its place in one buffer, so the
+    memory it needs beyond the rows it keeps and gets is one round's."""
+    world, n = dist.get_world_size(group), rows.shape[0]
+    device = _comm_device(group)
     parts = (_centre_distances(rows, centres, metric) + bias).argmin(1)
-    order = torch.argsort(parts, stable=True)
-    counts = torch.bincount(parts, minlength=world).tolist()
-    rows, _ = _all_to_all_rows(rows[order], counts, group)
-    ids, _ = _all_to_all_rows(ids[order], counts, group)
-    return rows, ids
+    per_round = max(1, _EXCHANGE_BYTES // max(1, rows[:1].numel() * rows.element_size()))
+    rounds = torch.tensor([-(-n // per_round)], dtype=torch.long, device=device)
+    dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=group)
+    counts = torch.bincount(parts, minlength=world).to(device)
+    got = torch.empty_like(counts)
+    dist.all_to_all_single(got, counts, group=group)
+    received = torch.empty((int(got.sum()), *rows.shape[1:]), dtype=rows.dtype, device=device)
+    received_ids = torch.empty(received.shape[0], dtype=ids.dtype, device=device)
+    filled = 0
+    for start in range(0, int(rounds) * per_round, per_round):  # a rank out of rows sends nothing
+        block = parts[start:start + per_round]
+        order = torch.argsort(block, stable=True) + start
+        sent = torch.bincount(block, minlength=world).to(device)
+        dist.all_to_all_single(got, sent, group=group)
+        out, into = sent.tolist(), got.tolist()
+        end = filled + sum(into)
+        for source, place in ((rows, received), (ids, received_ids)):
+            dist.all_to_all_single(place[filled:end], source[order].to(device).contiguous(), output_split_sizes=into,
+                                   input_split_sizes=out, group=group)
+        filled = end
+    return received.to(rows.device), received_ids.to(ids.device)
 
 
 class ShardedIndex:
