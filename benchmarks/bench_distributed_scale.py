@@ -10,9 +10,10 @@ of its own, a chunk at a time, so 100M x 1024 (205 GB) never exists in one place
 ranks together (wall clock after a synchronisation and a barrier):
   build         ShardedIndex.build of the shards, and with partition=True (rows moved to the
                 rank of their nearest balanced k-means centre);
-  search        each rank's share of the queries over every shard, and over the --probes nearest
-                shards of the partitioned index: queries/s of all queries, recall@10 at --list
-                against the exact neighbours of all rows (distributed.knn, also timed);
+  search        each rank's share of the queries over every shard, and over the nearest shards
+                (each of --probes) of the partitioned index: queries/s of all queries and recall@10
+                at each of --lists against the exact neighbours of all rows (distributed.knn, also
+                timed); --codes int8/int4 makes every index search by codes;
   rank 0 alone  rank 0's rows alone (N / W rows) built and searched with all the queries on its
                 GPU: the "one GPU holding a share" baseline.
 Writes distributed_scale_<data>_w<W>.{json,md} (rank 0). --table merges such files (1, 2, 4
@@ -68,11 +69,11 @@ def synchronise(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def say(r: dict, *steps: str) -> None:
-    """Rank 0 prints finished steps' times as it goes, so that a long run shows where it is."""
+def say(r: dict, step: str) -> None:
+    """Rank 0 prints a finished step's time as it goes, so that a long run shows where it is."""
     if dist.get_rank() == 0:
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-        print(", ".join(f"{s} {r[s + '_s']:.2f} s" for s in steps) + f" (peak GPU memory {peak:.1f} GiB)", flush=True)
+        print(f"{step} {r[step + '_s']:.2f} s (peak GPU memory {peak:.1f} GiB)", flush=True)
 
 
 def seconds(fn, device: torch.device, repeat: int = 1, everyone: bool = True):
@@ -104,39 +105,58 @@ def measure(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = parse(args.data)
     mine, my_queries, queries, counts = own_rows(spec, rank, world, device)
-    name = f"clustered-{spec['n'] // 1000}k-d{spec['d']}-c{spec['clusters']}"
+    name = f"clustered-{spec['n'] // 1000}k-d{spec['d']}-c{spec['clusters']}" + (f"-{args.codes}" if args.codes else "")
     grnnd.build(mine[:20_000])  # warm-up: kernels loaded, allocator primed
-    probes = min(args.probes, world)
-    r = {"data": name, **spec, "world": world, "list_size": args.list, "probes": probes,
+    lists = [int(v) for v in args.lists.split(",")]
+    probes = sorted({min(int(v), world) for v in args.probes.split(",")})
+    settings = {"codes": args.codes} if args.codes else {}
+    r = {"data": name, **spec, "world": world, "list_size": lists[0], "probes": probes[-1], "codes": args.codes,
          "rows_per_rank": counts, "machine": machine(threads=torch.get_num_threads(), cuda=use_cuda)}
-    search = dict(k=K, list_size=args.list)
+    found = {}  # (mode, list, probes) -> this rank's ids; the times go to r["points"]
+    points = []
 
-    sharded, r["sharded_build_s"] = seconds(lambda: grnnd.distributed.ShardedIndex.build(mine), device)
-    (_, i_sh), r["sharded_search_s"] = seconds(lambda: sharded.search(my_queries, **search), device, repeat=3)
-    say(r, "sharded_build", "sharded_search")
+    def searched(mode, index, qs, lst, probe=None, everyone=True):
+        (_, ids), t = seconds(lambda: index.search(qs, k=K, list_size=lst), device, repeat=3, everyone=everyone)
+        found[mode, lst, probe] = ids
+        points.append({"mode": mode, "list": lst, "probes": probe, "s": t, "qps": spec["queries"] / t})
+
+    sharded, r["sharded_build_s"] = seconds(lambda: grnnd.distributed.ShardedIndex.build(mine, **settings), device)
+    for lst in lists:
+        searched("all shards", sharded, my_queries, lst)
+    say(r, "sharded_build")
     del sharded
     parted, r["partitioned_build_s"] = seconds(
-        lambda: grnnd.distributed.ShardedIndex.build(mine, partition=True, probes=probes), device)
+        lambda: grnnd.distributed.ShardedIndex.build(mine, partition=True, probes=probes[-1], **settings), device)
     r["partition_rows"] = gathered(torch.tensor([len(parted.local)], device=device)).tolist()
-    (_, i_pa), r["partitioned_search_s"] = seconds(lambda: parted.search(my_queries, **search), device, repeat=3)
-    say(r, "partitioned_build", "partitioned_search")
+    for probe in probes:
+        parted.probes = probe
+        for lst in lists:
+            searched("partitioned", parted, my_queries, lst, probe)
+    say(r, "partitioned_build")
     del parted
     (_, truth), r["exact_knn_s"] = seconds(lambda: grnnd.distributed.knn(mine, my_queries, K), device)
     say(r, "exact_knn")
     equal_shares = spec["queries"] % world == 0  # all_gather needs equal shapes
     if equal_shares:
-        truth_all, sharded_all, parted_all = gathered(truth), gathered(i_sh), gathered(i_pa)
+        truth_all = gathered(truth)
+        everyone_found = {key: gathered(ids) for key, ids in found.items()}
     if rank == 0:  # one GPU holding a share: this rank's rows alone, all the queries (the others wait)
-        one, r["one_rank_build_s"] = seconds(lambda: grnnd.Index.build(mine), device, everyone=False)
-        _, r["one_rank_search_s"] = seconds(lambda: one.search(queries, **search), device, repeat=3, everyone=False)
-        say(r, "one_rank_build", "one_rank_search")
+        one, r["one_rank_build_s"] = seconds(lambda: grnnd.Index.build(mine, **settings), device, everyone=False)
+        for lst in lists:
+            searched("rank 0 alone", one, queries, lst, everyone=False)
+        say(r, "one_rank_build")
         del one
-        if equal_shares:
-            r["sharded_recall"] = grnnd.recall(sharded_all, truth_all, K)
-            r["partitioned_recall"] = grnnd.recall(parted_all, truth_all, K)
-        nq = spec["queries"]
-        r["sharded_qps"], r["partitioned_qps"] = nq / r["sharded_search_s"], nq / r["partitioned_search_s"]
-        r["one_rank_qps"] = nq / r["one_rank_search_s"]
+        for point in points:
+            key = (point["mode"], point["list"], point["probes"])
+            if equal_shares and point["mode"] != "rank 0 alone":
+                point["recall"] = grnnd.recall(everyone_found[key], truth_all, K)
+        first = {(p["mode"], p["probes"]): p for p in reversed(points) if p["list"] == lists[0]}
+        r["points"] = points
+        r["sharded_qps"] = first["all shards", None]["qps"]
+        r["partitioned_qps"] = first["partitioned", probes[-1]]["qps"]
+        r["one_rank_qps"] = first["rank 0 alone", None]["qps"]
+        r["sharded_recall"] = first["all shards", None].get("recall", float("nan"))
+        r["partitioned_recall"] = first["partitioned", probes[-1]].get("recall", float("nan"))
         write(r, args.out)
     dist.barrier()
     dist.destroy_process_group()
@@ -148,18 +168,21 @@ def write(r: dict, out: str) -> None:
     with open(stem + ".json", "w") as f:
         json.dump(r, f, indent=1)
     w, n = r["world"], r["n"]
+    alone = {p["list"]: p["qps"] for p in r["points"] if p["mode"] == "rank 0 alone"}
     lines = [f"# torch_grnnd.distributed, {r['data']} ({n:,} x {r['d']}), {w} ranks", "",
              f"Machine: {machine_line(r['machine'])}. Each rank made its own {n // w:,} rows; {r['queries']:,} "
-             f"queries, recall@10 at list {r['list_size']} against distributed.knn.", "",
-             "| | build s | queries/s | recall@10 | vs rank 0 alone |", "|---|---:|---:|---:|---:|",
-             f"| all shards | {r['sharded_build_s']:.2f} | {r['sharded_qps']:,.0f} | "
-             f"{r.get('sharded_recall', float('nan')):.4f} | {r['sharded_qps'] / r['one_rank_qps']:.2f}x |",
-             f"| partitioned, {r['probes']} of {w} shards | {r['partitioned_build_s']:.2f} | "
-             f"{r['partitioned_qps']:,.0f} | {r.get('partitioned_recall', float('nan')):.4f} | "
-             f"{r['partitioned_qps'] / r['one_rank_qps']:.2f}x |",
-             f"| rank 0 alone, {n // w:,} rows | {r['one_rank_build_s']:.2f} | {r['one_rank_qps']:,.0f} | | 1.00x |", "",
-             f"Partitioned rows per rank: {', '.join(f'{v:,}' for v in r['partition_rows'])}. Exact "
-             f"distributed.knn of the queries: {r['exact_knn_s']:.2f} s."]
+             f"queries at once, recall@10 against distributed.knn; codes: {r.get('codes') or 'none (rows)'}.", "",
+             "| search | list | queries/s | recall@10 | vs rank 0 alone |", "|---|---:|---:|---:|---:|"]
+    for p in r["points"]:
+        mode = p["mode"] + (f", {p['probes']} of {w} shards" if p["probes"] else "")
+        lines.append(f"| {mode} | {p['list']} | {p['qps']:,.0f} | {p.get('recall', float('nan')):.4f} | "
+                     f"{p['qps'] / alone[p['list']]:.2f}x |")
+    lines += ["", "| build | s |", "|---|---:|", f"| all shards | {r['sharded_build_s']:.2f} |",
+              f"| partitioned | {r['partitioned_build_s']:.2f} |",
+              f"| rank 0 alone, {n // w:,} rows | {r['one_rank_build_s']:.2f} |", "",
+              f"Partitioned rows per rank: {', '.join(f'{v:,}' for v in r['partition_rows'])}. Exact "
+              f"distributed.knn of the queries: {r['exact_knn_s']:.2f} s. Rank 0 alone searches all the queries "
+              "over its own rows (no recall: its rows are a quarter of the data)."]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
@@ -188,8 +211,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="clustered:n=100000000,d=1024,clusters=100000,queries=10000")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--list", type=int, default=64)
-    p.add_argument("--probes", type=int, default=2)
+    p.add_argument("--lists", default="64", help="search list sizes, comma-separated (the first is the table's)")
+    p.add_argument("--probes", default="2", help="shards a partitioned search visits, comma-separated")
+    p.add_argument("--codes", default=None, choices=["int8", "int4"], help="search by codes (every index)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--table", nargs="+", help="merge these JSON runs into one scaling table instead")
     args = p.parse_args()

@@ -235,8 +235,9 @@ def dying_worker(rank: int, init: str, out: str):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=10))
     torch.set_num_threads(1)
     data, queries = dataset()
+    dist.barrier()  # both connected: else rank 0 may fail in init_process_group, not in the op
     if rank == 1:
-        os._exit(0)  # a rank that dies without a word, before the collectives
+        os._exit(0)  # a rank that dies without a word, before the op's collectives
     start = time.monotonic()
     try:
         grnnd.distributed.knn(data[:100], queries[:10], 5)
