@@ -71,6 +71,9 @@ def worker(rank: int, world: int, init: str, out: str, device: str):
     for probes in (1, world):
         parted.probes = probes
         result[f"partitioned_{probes}"] = parted.search(my_queries, 10, list_size=64)[1].cpu()
+    # Index.build's own settings (codes) pass through a partitioned build.
+    coded = grnnd.distributed.ShardedIndex.build(mine, partition=True, probes=world, codes="int4")
+    result["partitioned_int4"] = coded.search(my_queries, 10, list_size=64)[1].cpu()
     # The rows move in rounds bounded in bytes: rounds of 37 rows (a different number of rounds
     # on each rank, the shards being uneven) give each rank the rows one round gives, intact.
     own_ids = torch.arange(bounds[rank], bounds[rank + 1]).to(device)
@@ -172,6 +175,7 @@ def check(results, world):
     assert everywhere >= recall(one, truth) - 0.01
     assert recall(torch.cat([r["partitioned_1"] for r in results]), truth) >= everywhere - 0.05
     assert all(r["partitioned_restored_equal"] for r in results)
+    assert recall(torch.cat([r["partitioned_int4"] for r in results]), truth) >= everywhere - 0.01
     assert all(r["rounds_same_ids"] and r["rounds_rows_intact"] for r in results)
     # Growth: added rows found under the ids they were numbered with; removed ones never again.
     assert all(r["grown_added_found"] and r["parted_added_found"] for r in results)

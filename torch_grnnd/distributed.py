@@ -392,7 +392,7 @@ class ShardedIndex:
                 raise ValueError(f"probes: expected 1 <= probes <= {world} (the ranks), got {probes}")
             sizes = _agree(group, "ShardedIndex.build", rows_each=local_data.shape[0])
             centres, bias = _partition_centres(local_data, metric, [row[0] for row in sizes], group,
-                                               BuildParams.merge(params, **settings).seed)
+                                               BuildParams.merge(params, seed=settings.get("seed")).seed)
             local_data, ids = _to_partitions(local_data, ids, centres, bias, metric, group)
             user_ids = True  # a shard's ids no longer follow the ranks
         local = Index.build(local_data, params, metric=metric, ids=ids, progress=progress, **settings)
