@@ -172,6 +172,15 @@ def test_retriever_adds_removes_and_keeps_it_in_its_state():
     retriever = grnnd.nn.Retriever(k=3)
     retriever.add(data[:2000], ids=torch.arange(2000) + 100)      # empty: the first add builds
     retriever.add(data[2000:], ids=torch.arange(1000) + 5000)
+    # One Index behind the buffers from call to call: room reserved through it stays, so an add
+    # that fits copies none of the rows (the buffers stay views of one storage).
+    index = retriever.index
+    index.reserve(3100)
+    assert retriever.index is index and index.capacity == 3100 and retriever.data.shape[0] == 3000
+    storage = retriever.data.untyped_storage().data_ptr()
+    retriever.add(data[:5], ids=torch.arange(5) + 9000)
+    assert retriever.index is index and retriever.data.untyped_storage().data_ptr() == storage
+    retriever.remove(torch.arange(5) + 9000)
     retriever.remove(torch.tensor([100, 5000]))
     assert len(retriever) == 2998
     found = retriever(data)[1]

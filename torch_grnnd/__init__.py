@@ -74,11 +74,11 @@ from . import diagnostics, distributed, nn
 from .codes import Codes, encode
 from .eval import recall
 from .graph import knn_graph
-from .index import Index, merge
+from .index import EditableIndex, Index, SearchIndex, merge
 from .ops import build, knn, search, search_distance_counts
 from .params import BuildParams, SearchParams
 from .swapping import SwappingIndex
 
-__all__ = ["info", "Index", "merge", "SwappingIndex", "BuildParams", "SearchParams", "Codes", "encode", "build", "search",
+__all__ = ["info", "Index", "SearchIndex", "EditableIndex", "merge", "SwappingIndex", "BuildParams", "SearchParams", "Codes", "encode", "build", "search",
            "search_distance_counts", "knn", "knn_graph", "recall", "nn", "distributed", "diagnostics"]
 __version__ = "0.1.0"

@@ -579,3 +579,16 @@ class ReplicatedIndex:
         dists, ids = self.index.search(mine, params=p)
         sizes = [bounds[r + 1] - bounds[r] for r in range(world)]
         return _unpacked(_all_gather_rows(_packed(dists, ids), sizes, self.group))
+
+    def __len__(self) -> int:
+        """Live vectors (every rank holds them all)."""
+        return len(self.index)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The index every rank holds (save it from one rank)."""
+        return self.index.state_dict()
+
+    @classmethod
+    def from_state_dict(cls, state: Dict[str, Any], group: Optional[dist.ProcessGroup] = None) -> "ReplicatedIndex":
+        """Inverse of :meth:`state_dict`, on every rank of ``group``."""
+        return cls(Index.from_state_dict(state), group)

@@ -4,7 +4,7 @@ import dataclasses
 import functools
 import os
 import threading
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Protocol, Tuple, Union, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -108,6 +108,37 @@ def _edits(method):
         with _locks(self)[1]:
             return method(self, *args, **kwargs)
     return one_at_a_time
+
+
+@runtime_checkable
+class SearchIndex(Protocol):
+    """What every index of the library offers a caller: :class:`Index`, :class:`SwappingIndex`,
+    :class:`~torch_grnnd.distributed.ShardedIndex`, :class:`~torch_grnnd.distributed.ReplicatedIndex`
+    and :class:`~torch_grnnd.nn.Retriever`. Code written against it takes any of them."""
+
+    def search(self, queries: Tensor, k: Optional[int] = None, **settings: Any) -> Tuple[Tensor, Tensor]:
+        """``(dists float32 [Q, k], ids int64 [Q, k])``, nearest first, (inf, -1) padded."""
+
+    def __len__(self) -> int:
+        """The live vectors (removed ones not counted)."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything needed to restore it (the class's ``from_state_dict`` or ``load_state_dict``)."""
+
+
+@runtime_checkable
+class EditableIndex(SearchIndex, Protocol):
+    """A :class:`SearchIndex` that grows and shrinks in place: :class:`Index`,
+    :class:`~torch_grnnd.distributed.ShardedIndex` and :class:`~torch_grnnd.nn.Retriever`."""
+
+    def add(self, vectors: Tensor, ids: Optional[Tensor] = None, *, progress: Any = False) -> Any:
+        """Take in new vectors (with their user ids where the index has them)."""
+
+    def remove(self, ids: Tensor) -> Any:
+        """Hide these vectors from every later search."""
+
+    def compact(self) -> Any:
+        """Free the removed vectors' memory for good."""
 
 
 class Index:

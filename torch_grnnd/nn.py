@@ -93,8 +93,8 @@ class Retriever(nn.Module):
         self.register_buffer("ids", torch.empty(0, dtype=torch.long))
         self.register_buffer("removed", torch.empty(0, dtype=torch.bool))
         self.next_id: Optional[int] = None  # Index.next_id: where the retriever numbers its rows itself
-        # Index storage with room past the buffers (Index.reserve), kept between adds.
-        self._store: Optional[Tuple[Tensor, Tensor]] = None
+        self._index: Optional[Index] = None  # the buffers as an Index (see index)
+        self._index_version = 0  # its version when the buffers last took its tensors
         self._register_state_dict_hook(_saved_without_room)
         if data is not None:
             self.rebuild(data, progress=progress)
@@ -109,11 +109,21 @@ class Retriever(nn.Module):
 
     @property
     def index(self) -> Index:
-        """The buffers as an :class:`~torch_grnnd.Index` (no copy)."""
-        index = Index(self.data, self.graph, self.metric, self.build_params, ids=self._ids(),
-                      removed=self._removed(), next_id=self.next_id)
-        index._store = self._store  # Index.capacity ignores it once the buffers were replaced
-        return index
+        """The buffers as an :class:`~torch_grnnd.Index` (no copy): one object for as long as the
+        buffers and settings stay what it holds, so the room it reserves (``index.reserve``,
+        adds) and the lock that lets threads search while another edits last from call to call.
+        Edits made through it directly show in the buffers at the next use; once ``.to()``,
+        ``.half()`` or ``load_state_dict`` replaced the buffers, a new one wraps them."""
+        index = self._index
+        if index is not None and index.version != self._index_version:  # edited through retriever.index
+            self._take(index)
+        elif index is None or not (index.data is self.data and index.graph is self.graph
+                                   and index.ids is self._ids() and index.removed is self._removed()
+                                   and index.next_id == self.next_id and index.metric == self.metric
+                                   and index.build_params == self.build_params):
+            self._take(Index(self.data, self.graph, self.metric, self.build_params, ids=self._ids(),
+                             removed=self._removed(), next_id=self.next_id))
+        return self._index
 
     def _ids(self) -> Optional[Tensor]:
         """The ids buffer as Index.ids: None where empty, unless the retriever numbers its rows
@@ -151,10 +161,12 @@ class Retriever(nn.Module):
         return self._take(index)
 
     def _take(self, index: Index) -> "Retriever":
-        self.data, self.graph, self._store = index.data, index.graph, index._store
+        """Hold ``index``: its tensors become the buffers, and it stays the retriever's index."""
+        self.data, self.graph = index.data, index.graph
         self.ids = index.ids if index.ids is not None else self.ids.new_empty(0)
         self.removed = index.removed if index.removed is not None else self.removed.new_empty(0)
         self.next_id = index.next_id
+        self._index, self._index_version = index, index.version
         return self
 
     def forward(self, queries: Tensor, k: Optional[int] = None, *,
@@ -163,6 +175,11 @@ class Retriever(nn.Module):
         if self.data.shape[1] == 0:  # never indexed (rows all removed and compacted away keep their width)
             raise RuntimeError("Retriever is empty: call rebuild(embeddings) or load_state_dict(state) first")
         return self.index.search(queries, k, params=self.search_params, filter=filter)
+
+    def search(self, queries: Tensor, k: Optional[int] = None, *,
+               filter: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """The same as calling the module (:meth:`forward`), under the name every index uses."""
+        return self(queries, k, filter=filter)
 
     def __len__(self) -> int:
         """The live rows (removed ones not counted)."""

@@ -34,6 +34,7 @@ from . import ops
 from .out_of_core import bytes_per_row, free_bytes, parse_bytes
 from .params import BuildParams, SearchParams
 from .progress import Progress, steps_reporter
+from .index import check_state
 from .results import best_k
 
 
@@ -165,6 +166,18 @@ class SwappingIndex:
         missing = {"data", "graphs", "metric"} - set(state)
         if missing:
             raise ValueError(f"state: missing keys {sorted(missing)}")
+        data, graphs = state["data"], state["graphs"]
+        if not isinstance(graphs, (list, tuple)) or not graphs:
+            raise ValueError("state: graphs must be a non-empty list of one graph per shard")
+        if not isinstance(data, Tensor) or data.dim() != 2:
+            raise TypeError("state: data must be a 2-D floating-point tensor")
+        start = 0
+        for graph in graphs:  # each shard's graph against its own rows, as Index checks its one graph
+            rows = graph.shape[0] if isinstance(graph, Tensor) and graph.dim() == 2 else -1
+            if rows < 0 or start + rows > data.shape[0]:
+                raise ValueError(f"state: graphs must be 2-D and cover the {data.shape[0]} rows in order")
+            check_state(data[start:start + rows], graph, state["metric"])
+            start += rows
         return cls(state["data"], list(state["graphs"]), state["metric"],
                    BuildParams().replace(**state.get("build_params", {})), device)
 
