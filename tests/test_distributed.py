@@ -115,6 +115,16 @@ def worker(rank: int, world: int, init: str, out: str, device: str):
         restored = grnnd.distributed.ShardedIndex.from_state_dicts(states, group=fewer)
         result["resharded"] = restored.search(queries.to(device), 10, list_size=64)[1].cpu()
         result["resharded_len"] = len(restored)
+    # ... and saved from those fewer ranks, restored onto all of them again: the ranks that share a
+    # saved shard split its vectors and build their runs anew.
+    if rank < world - 1:
+        torch.save(restored.state_dict(), os.path.join(out, f"fewer{rank}.pt"))
+    dist.barrier()
+    states = [torch.load(os.path.join(out, f"fewer{r}.pt"), weights_only=True) for r in range(world - 1)]
+    more = grnnd.distributed.ShardedIndex.from_state_dicts(states)
+    result["more_search"] = more.search(my_queries, 10, list_size=64)[1].cpu()
+    result["more_len"], result["more_rows"] = len(more), len(more.local)
+    result["more_ids"] = more.local.ids.cpu()
     replicated = grnnd.distributed.ReplicatedIndex(grnnd.Index.build(data.to(device)))
     result["replicated"] = [t.cpu() for t in replicated.search(queries.to(device), 10, list_size=64)]
     # Mismatches: every rank must raise (a hang would time the test out).
@@ -189,6 +199,13 @@ def check(results, world):
         assert r["resharded_len"] == N + world * EXTRA - 2 * world
         assert not bool(torch.isin(r["resharded"], gone).any())
         assert recall(r["resharded"], truth) >= recall(one, truth) - 0.02
+    # Restored onto more ranks than saved shards: every live vector on exactly one rank.
+    kept = torch.cat([r["more_ids"] for r in results])
+    assert kept.numel() == N + world * EXTRA - 2 * world and kept.unique().numel() == kept.numel()
+    assert not bool(torch.isin(kept, gone).any()) and all(r["more_rows"] > 0 for r in results)
+    assert all(r["more_len"] == N + world * EXTRA - 2 * world for r in results)
+    more = torch.cat([r["more_search"] for r in results])
+    assert not bool(torch.isin(more, gone).any()) and recall(more, truth) >= recall(one, truth) - 0.02
     user = torch.cat([r["user_ids"] for r in results])
     assert ((user - 7) % 3 == 0).all() and recall((user - 7) // 3, truth) >= recall(one, truth) - 0.01
     # Replicated: every rank gets the same answer for the whole batch, as good as one index's.

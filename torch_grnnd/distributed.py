@@ -533,27 +533,49 @@ class ShardedIndex:
     @classmethod
     def from_state_dicts(cls, states: Sequence[Dict[str, Any]], group: Optional[dist.ProcessGroup] = None
                          ) -> "ShardedIndex":
-        """The shards saved by every rank of a group of any size at least this one's (``states``
-        in their rank order, the same list on every rank), restored onto this group: rank r takes
-        the saved shards r, r + W, r + 2W, ... and merges them (:func:`torch_grnnd.merge`, no
-        rebuild). The ids stay those of the saved index. A partitioned index, whose centres are
-        one per rank, restores onto the same number of ranks only."""
+        """The shards saved by every rank of a group of any size (``states`` in their rank order,
+        the same list on every rank), restored onto this group. Onto as many ranks: each loads its
+        own. Onto fewer: rank r takes the saved shards r, r + W, r + 2W, ... and merges them
+        (:func:`torch_grnnd.merge`, no rebuild). Onto more: the ranks that share saved shard
+        j (r = j, j + S, j + 2S, ... for S saved shards) split its live vectors into equal runs
+        and each builds its run's graph anew with the saved settings (a graph's rows have no
+        subgraph as good as a build). The ids stay those of the saved index. A partitioned
+        index, whose centres are one per rank, restores onto the same number of ranks only."""
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         saved = len(states)
-        if any(s.get("world_size") != saved or s.get("rank") != j for j, s in enumerate(states)):
+        if saved == 0 or any(s.get("world_size") != saved or s.get("rank") != j for j, s in enumerate(states)):
             raise ValueError("states: expected every saved rank's state once, in rank order")
-        if saved < world:
-            raise ValueError(f"states: {saved} saved shards cannot fill {world} ranks; restore onto at most {saved}")
         if saved != world and states[0].get("centres") is not None:
             raise ValueError(f"states: a partitioned index of {saved} shards restores onto {saved} ranks only, "
                              f"not {world}")
         if saved == world:
             return cls.from_state_dict(states[rank], group)
+        if saved < world:
+            return cls._split_shard(states, group)
         mine = [Index.from_state_dict(states[j]["local"]) for j in range(rank, saved, world)]
         local = mine[0]
         for other in mine[1:]:
             local = merge(local, other)
         index = cls(local, 0, states[0]["total"], group, True)  # merged shards' ids no longer follow the ranks
+        index.next_id = states[0].get("next_id")
+        return index
+
+    @classmethod
+    def _split_shard(cls, states: Sequence[Dict[str, Any]], group: Optional[dist.ProcessGroup]) -> "ShardedIndex":
+        """:meth:`from_state_dicts` onto more ranks than saved shards: this rank's run of the live
+        vectors of saved shard rank % S, built into a graph of its own."""
+        rank, world, saved = dist.get_rank(group), dist.get_world_size(group), len(states)
+        shard = Index.from_state_dict(states[rank % saved]["local"])
+        sharing = len(range(rank % saved, world, saved))  # ranks that split this saved shard
+        live = slice(None) if shard.removed is None else ~shard.removed
+        rows = shard.data[live]
+        ids = (shard.ids if shard.ids is not None else torch.arange(shard.data.shape[0], device=rows.device))[live]
+        part, n = rank // saved, rows.shape[0]
+        run = slice(part * n // sharing, (part + 1) * n // sharing)
+        codes = shard.codes.kind if shard.codes is not None else None
+        local = Index.build(rows[run].contiguous(), shard.build_params, metric=shard.metric, ids=ids[run].contiguous(),
+                            codes=codes)
+        index = cls(local, 0, states[0]["total"], group, True)  # split shards' ids no longer follow the ranks
         index.next_id = states[0].get("next_id")
         return index
 
