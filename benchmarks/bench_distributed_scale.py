@@ -189,19 +189,21 @@ def write(r: dict, out: str) -> None:
 
 
 def table(paths: list, out: str) -> None:
-    """One scaling table from the runs in ``paths`` (same data, 1, 2, 4 ... ranks)."""
+    """One scaling table from the runs in ``paths`` (1, 2, 4 ... ranks; the same data, or the same rows
+    per rank)."""
     runs = sorted((json.load(open(p)) for p in paths), key=lambda r: r["world"])
-    lines = [f"# Scaling of torch_grnnd.distributed, {runs[0]['data']}", "",
+    names = list(dict.fromkeys(r["data"] for r in runs))  # one set, or one a rank count (weak scaling)
+    lines = [f"# Scaling of torch_grnnd.distributed, {', '.join(names)}", "",
              f"Machine: {machine_line(runs[0]['machine'])}.", "",
-             "| ranks | rows per rank | build s | all shards q/s (recall) | partitioned q/s (recall, probes) | "
-             "rank 0 alone q/s |", "|---:|---:|---:|---|---|---:|"]
+             "| ranks | rows | rows per rank | build s | all shards q/s (recall) | partitioned q/s (recall, probes) | "
+             "rank 0 alone q/s |", "|---:|---:|---:|---:|---|---|---:|"]
     for r in runs:
-        lines.append(f"| {r['world']} | {r['n'] // r['world']:,} | {r['sharded_build_s']:.2f} | "
+        lines.append(f"| {r['world']} | {r['n']:,} | {r['n'] // r['world']:,} | {r['sharded_build_s']:.2f} | "
                      f"{r['sharded_qps']:,.0f} ({r.get('sharded_recall', float('nan')):.4f}) | "
                      f"{r['partitioned_qps']:,.0f} ({r.get('partitioned_recall', float('nan')):.4f}, {r['probes']}) | "
                      f"{r['one_rank_qps']:,.0f} |")
     os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"distributed_scale_{runs[0]['data']}_table.md")
+    path = os.path.join(out, f"distributed_scale_{runs[-1]['data']}_table.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
