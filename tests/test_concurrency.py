@@ -1,6 +1,6 @@
-"""An Index shared by threads: searches running while another thread adds, removes and compacts
-answer as of one state the edits passed through (checked against a model of the index's
-contents), and never raise because of the edits."""
+"""An Index (and a Retriever, which holds one) shared by threads: searches running while another
+thread adds, removes and compacts answer as of one state the edits passed through (checked
+against a model of the index's contents), and never raise because of the edits."""
 import threading
 import time
 
@@ -13,13 +13,20 @@ from conftest import clustered, exact_neighbours
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def run_stress(device: str, edits: int = 36, searchers: int = 3, seconds: float = 60.0):
+def run_stress(device: str, kind: str = "Index", edits: int = 36, searchers: int = 3, seconds: float = 60.0):
     g = torch.Generator().manual_seed(21)
     vectors = clustered(14_000, 32, 40, seed=21).to(device)  # every vector ever added; id = its row here
     start = 6_000
-    index = grnnd.Index.build(vectors[:start], ids=torch.arange(start, device=device))
+    if kind == "Index":
+        index = grnnd.Index.build(vectors[:start], ids=torch.arange(start, device=device))
+        version = lambda: index.version  # noqa: E731
+        search = lambda: index.search(queries, 10, list_size=32)  # noqa: E731
+    else:  # the edits and searches go through the module, its buffers following the index
+        index = grnnd.nn.Retriever(k=10, list_size=32).rebuild(vectors[:start], ids=torch.arange(start, device=device))
+        version = lambda: index.index.version  # noqa: E731
+        search = lambda: index.search(queries)  # noqa: E731
     live = set(range(start))
-    states = {index.version: frozenset(live)}  # the live ids of each version the edits made visible
+    states = {version(): frozenset(live)}  # the live ids of each version the edits made visible
     queries = (vectors[torch.randint(0, 14_000, (32,), generator=g).to(device)]
                + 0.1 * torch.randn(32, 32, generator=g).to(device))
     results, errors = [], []
@@ -28,9 +35,9 @@ def run_stress(device: str, edits: int = 36, searchers: int = 3, seconds: float 
     def search_until_stopped():
         try:
             while not stop.is_set():
-                before = index.version
-                dists, ids = index.search(queries, 10, list_size=32)
-                results.append((before, index.version, dists.cpu(), ids.cpu()))
+                before = version()
+                dists, ids = search()
+                results.append((before, version(), dists.cpu(), ids.cpu()))
         except Exception as error:  # noqa: BLE001 - any error fails the test below
             errors.append(error)
 
@@ -55,7 +62,7 @@ def run_stress(device: str, edits: int = 36, searchers: int = 3, seconds: float 
                 index.add(vectors[next_id:next_id + batch], ids=torch.arange(next_id, next_id + batch, device=device))
                 live |= set(range(next_id, next_id + batch))
                 next_id += batch
-            states[index.version] = frozenset(live)
+            states[version()] = frozenset(live)
     finally:
         stop.set()
         for t in threads:
@@ -63,9 +70,10 @@ def run_stress(device: str, edits: int = 36, searchers: int = 3, seconds: float 
     return index, vectors, queries, states, results, errors, live
 
 
+@pytest.mark.parametrize("kind", ["Index", "Retriever"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_searches_during_edits_see_one_state(device):
-    index, vectors, queries, states, results, errors, live = run_stress(device)
+def test_searches_during_edits_see_one_state(device, kind):
+    index, vectors, queries, states, results, errors, live = run_stress(device, kind)
     assert errors == []
     assert len(results) >= 30 and len(states) >= 10
     overlapped = 0
@@ -82,8 +90,14 @@ def test_searches_during_edits_see_one_state(device):
     # And the index the edits left finds what it holds.
     kept = torch.tensor(sorted(live))
     truth = kept[exact_neighbours(vectors.cpu()[kept], queries.cpu(), 10)[1]]
-    assert grnnd.recall(index.search(queries, 10, list_size=64)[1].cpu(), truth) >= 0.9
+    held = index if kind == "Index" else index.index
+    assert grnnd.recall(held.search(queries, 10, list_size=64)[1].cpu(), truth) >= 0.9
     assert len(index) == len(live)
+    if kind == "Retriever":  # the buffers are the index's tensors, and its state round-trips
+        assert index.data is held.data and index.graph is held.graph and index.data.shape[0] == len(held.graph)
+        restored = grnnd.nn.Retriever()
+        restored.load_state_dict(index.state_dict())
+        assert torch.equal(restored.search(queries)[1], index.search(queries)[1])
 
 
 def test_a_waiting_edit_goes_before_later_searches():

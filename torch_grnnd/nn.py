@@ -4,13 +4,14 @@ Both work under ``torch.compile(fullgraph=True)`` (``KNNGraph`` without ``batch`
 distances they return carry gradients to the embeddings (see :mod:`torch_grnnd.autograd`).
 """
 import dataclasses
+import threading
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .graph import knn_graph
-from .index import Index, _own_storage, check_ids, check_next_id, check_removed, check_state
+from .index import Index, _locks, _own_storage, check_ids, check_next_id, check_removed, check_state
 from .ops import Metric
 from .params import BuildParams, SearchParams
 from .progress import Progress
@@ -49,6 +50,12 @@ class KNNGraph(nn.Module):
 
     def extra_repr(self) -> str:
         return f"k={self.k}, metric={self.metric!r}, exact={self.exact}, loop={self.loop}, flow={self.flow!r}"
+
+
+# Held while a Retriever's buffers and the Index behind them are compared or changed together (a
+# few attribute reads and writes): threads then never see one half of an edit's buffers. One lock
+# for every retriever, so that a module keeps nothing a copy or a pickle could not take.
+_SYNCING = threading.RLock()
 
 
 class Retriever(nn.Module):
@@ -113,17 +120,23 @@ class Retriever(nn.Module):
         buffers and settings stay what it holds, so the room it reserves (``index.reserve``,
         adds) and the lock that lets threads search while another edits last from call to call.
         Edits made through it directly show in the buffers at the next use; once ``.to()``,
-        ``.half()`` or ``load_state_dict`` replaced the buffers, a new one wraps them."""
-        index = self._index
-        if index is not None and index.version != self._index_version:  # edited through retriever.index
-            self._take(index)
-        elif index is None or not (index.data is self.data and index.graph is self.graph
-                                   and index.ids is self._ids() and index.removed is self._removed()
-                                   and index.next_id == self.next_id and index.metric == self.metric
-                                   and index.build_params == self.build_params):
-            self._take(Index(self.data, self.graph, self.metric, self.build_params, ids=self._ids(),
-                             removed=self._removed(), next_id=self.next_id))
-        return self._index
+        ``.half()`` or ``load_state_dict`` replaced the buffers, a new one wraps them. Threads may
+        search a retriever while one edits it, with :class:`~torch_grnnd.Index`'s promise: each
+        search answers as of the index before an edit or after it."""
+        if torch.compiler.is_compiling():  # a compiled graph keeps nothing between calls: a view for this one
+            return Index(self.data, self.graph, self.metric, self.build_params, ids=self._ids(),
+                         removed=self._removed(), next_id=self.next_id)
+        with _SYNCING:
+            index = self._index
+            if index is not None and index.version != self._index_version:  # edited through retriever.index
+                self._take(index)
+            elif index is None or not (index.data is self.data and index.graph is self.graph
+                                       and index.ids is self._ids() and index.removed is self._removed()
+                                       and index.next_id == self.next_id and index.metric == self.metric
+                                       and index.build_params == self.build_params):
+                self._take(Index(self.data, self.graph, self.metric, self.build_params, ids=self._ids(),
+                                 removed=self._removed(), next_id=self.next_id))
+            return self._index
 
     def _ids(self) -> Optional[Tensor]:
         """The ids buffer as Index.ids: None where empty, unless the retriever numbers its rows
@@ -161,12 +174,14 @@ class Retriever(nn.Module):
         return self._take(index)
 
     def _take(self, index: Index) -> "Retriever":
-        """Hold ``index``: its tensors become the buffers, and it stays the retriever's index."""
-        self.data, self.graph = index.data, index.graph
-        self.ids = index.ids if index.ids is not None else self.ids.new_empty(0)
-        self.removed = index.removed if index.removed is not None else self.removed.new_empty(0)
-        self.next_id = index.next_id
-        self._index, self._index_version = index, index.version
+        """Hold ``index``: its tensors become the buffers, and it stays the retriever's index. Its
+        fields are read as one state (under its read lock: not while an edit publishes)."""
+        with _SYNCING, _locks(index)[0].shared():
+            self.data, self.graph = index.data, index.graph
+            self.ids = index.ids if index.ids is not None else self.ids.new_empty(0)
+            self.removed = index.removed if index.removed is not None else self.removed.new_empty(0)
+            self.next_id = index.next_id
+            self._index, self._index_version = index, index.version
         return self
 
     def forward(self, queries: Tensor, k: Optional[int] = None, *,
