@@ -185,13 +185,15 @@ def test_a_large_add_grows_the_graph_and_searches_like_a_fresh_build(halves, dev
     ids = torch.arange(20_000, device=device) + 10**6
     modes = []
     real = grnnd.ops.build
-    monkeypatch.setattr(grnnd.ops, "build", lambda *a, **kw: modes.append(kw.get("init_mode")) or real(*a, **kw))
+    monkeypatch.setattr(grnnd.ops, "build", lambda *a, **kw: modes.append(
+        (kw.get("init") is not None, kw.get("init_mode", "merge"))) or real(*a, **kw))
     with one_thread():
         index = grnnd.Index.build(data[:10_000], ids=ids[:10_000])
         index.remove(ids[:2])
         index.add(data[10_000:], ids=ids[10_000:])
         fresh = grnnd.Index.build(data, ids=ids)
-    assert modes == [None, "grow", None]  # half the index: one build from the index's graph
+    # Plain builds, and for half the index one build that grows the index's graph.
+    assert modes == [(False, "merge"), (True, "grow"), (False, "merge")]
     assert len(index) == 19_998 and torch.equal(index.data, data) and torch.equal(index.ids, ids)
     assert index.removed.nonzero().flatten().tolist() == [0, 1]
     found = index.search(queries, 10, list_size=32)[1]
@@ -206,7 +208,7 @@ def test_a_large_add_grows_the_graph_and_searches_like_a_fresh_build(halves, dev
     # through the search (no build).
     assert index.capacity >= 20_000
     index.add(data[:100] + 0.5, ids=torch.arange(100, device=device))
-    assert modes == [None, "grow", None] and len(index) == 20_098
+    assert modes == [(False, "merge"), (True, "grow"), (False, "merge")] and len(index) == 20_098
 
 
 def test_a_large_add_that_fails_changes_nothing(halves, monkeypatch):

@@ -75,7 +75,8 @@ from .codes import Codes, encode
 from .eval import recall
 from .graph import knn_graph
 from .index import EditableIndex, Index, SearchIndex, merge
-from .ops import build, knn, search, search_distance_counts
+from .building import build
+from .ops import knn, search, search_distance_counts
 from .params import BuildParams, SearchParams
 from .swapping import SwappingIndex
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Protocol, Tuple, Uni
 import torch
 from torch import Tensor
 
-from . import editing, merging, ops, saving
+from . import building, editing, merging, ops, saving
 from .codes import CODE_KINDS, Codes, check_grid, code_row_bytes, encode, encode_rows
 from .params import MAX_LIST_SIZE, BuildParams, SearchParams
 from .progress import Progress
@@ -243,7 +243,8 @@ class Index:
         if codes is not None and codes not in CODE_KINDS:  # before the build: a bad name costs no build
             raise ValueError(f"codes: expected None or one of {CODE_KINDS}, got {codes!r}")
         params = BuildParams.merge(params, **settings)
-        graph = ops.build(data, params, metric=metric, progress=progress, device=device, max_gpu_memory=max_gpu_memory)
+        graph = building.build(data, params, metric=metric, progress=progress, device=device,
+                               max_gpu_memory=max_gpu_memory)
         coded = None if codes is None else encode(data, codes, metric=metric, device=graph.device)
         return cls(data, graph, metric, params, ids=ids, codes=coded)
 
