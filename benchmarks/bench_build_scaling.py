@@ -17,7 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.bench_gpu import cuda_time, load_data  # noqa: E402
+from benchmarks.common import cuda_time  # noqa: E402
+from benchmarks.datasets import load_data  # noqa: E402
 from benchmarks.report import sized_gpu_run  # noqa: E402
 
 POOL_SIZE = 48  # the build's default R, for the memory bound

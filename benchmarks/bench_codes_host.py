@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.bench_scale import make_set  # noqa: E402
+from benchmarks.datasets import make_set  # noqa: E402
 
 
 def main():

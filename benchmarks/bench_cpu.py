@@ -18,23 +18,16 @@ import sys
 import time
 
 import faiss
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
 from benchmarks import datasets, report  # noqa: E402
+from benchmarks.baselines import FaissHNSW, FaissNNDescent  # noqa: E402
+from benchmarks.common import parse_settings  # noqa: E402
 
 SWEEP = [10, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
 K = 10
-
-
-def parse_params(text: str) -> dict:
-    out = {}
-    for item in filter(None, text.split(",")):
-        key, value = item.split("=", 1)
-        out[key] = value if key in ("update_order", "metric") else (float(value) if "." in value else int(value))
-    return out
 
 
 class Ours:
@@ -55,49 +48,6 @@ class Ours:
 
     def describe(self):
         return dict(self.params, search_width=self.search_width)
-
-
-class FaissHNSW:
-    sweep_name = "efSearch"
-
-    def __init__(self, m=32, ef_construction=40):
-        self.m, self.efc = m, ef_construction
-        self.name = f"faiss HNSWFlat M={m} efC={ef_construction}"
-
-    def build(self, base, metric):
-        assert metric == "l2", "faiss baselines here are L2 (normalised embeddings: same ranking as cosine)"
-        self.index = faiss.IndexHNSWFlat(base.shape[1], self.m)
-        self.index.hnsw.efConstruction = self.efc
-        self.index.add(np.ascontiguousarray(base.numpy()))
-
-    def search(self, queries, param):
-        self.index.hnsw.efSearch = max(param, K)
-        return torch.from_numpy(self.index.search(np.ascontiguousarray(queries.numpy()), K)[1])
-
-    def describe(self):
-        return {"M": self.m, "efConstruction": self.efc}
-
-
-class FaissNNDescent:
-    sweep_name = "search_L"
-
-    def __init__(self, k=32):
-        self.k = k
-        self.name = f"faiss NNDescentFlat K={k}"
-
-    def build(self, base, metric):
-        assert metric == "l2"
-        self.index = faiss.IndexNNDescentFlat(base.shape[1], self.k)
-        self.index.verbose = False
-        self.index.add(np.ascontiguousarray(base.numpy()))
-
-    def search(self, queries, param):
-        self.index.nndescent.search_L = max(param, K)
-        return torch.from_numpy(self.index.search(np.ascontiguousarray(queries.numpy()), K)[1])
-
-    def describe(self):
-        n = self.index.nndescent
-        return {"K": self.k, "S": n.S, "R": n.R, "L": n.L, "iter": n.iter}
 
 
 def run(data: dict, methods: list, threads: int, build_reps: int = 1, search_reps: int = 3,
@@ -152,7 +102,7 @@ def main():
     faiss.omp_set_num_threads(a.threads)
     data = datasets.load(a.data)
     print(f"{data['name']}: base {tuple(data['base'].shape)} queries {tuple(data['queries'].shape)}")
-    methods = [Ours(parse_params(cfg), a.search_width) for cfg in a.ours] + [FaissHNSW(32, 40)]
+    methods = [Ours(parse_settings(cfg), a.search_width) for cfg in a.ours] + [FaissHNSW(32, 40)]
     if not a.no_nndescent:
         methods.append(FaissNNDescent(32))
     results = {"title": f"CPU: torch_grnnd vs faiss-cpu, {data['name']}",

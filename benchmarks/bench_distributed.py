@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.bench_gpu import load_data  # noqa: E402
+from benchmarks.datasets import load_data  # noqa: E402
 from benchmarks.report import machine, machine_line  # noqa: E402
 
 K, LIST = 10, 64

@@ -41,72 +41,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
+from benchmarks.common import brute_force, cuda_time, exact_knn_graph, parse_settings  # noqa: E402
+from benchmarks.datasets import load_data  # noqa: E402
 from benchmarks.report import machine, regression_table, regressions, write  # noqa: E402
-
-
-def cuda_time(fn, repeat: int = 1):
-    """(result, seconds per call) by CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        out = fn()
-    end.record()
-    torch.cuda.synchronize()
-    return out, start.elapsed_time(end) / 1000 / repeat
-
-
-def load_data(spec: str, device: str):
-    family, _, shape = spec.partition(":")
-    if family in ("blobs", "zipf", "aniso"):  # bench_scale.py's families: "zipf:2000000x128"
-        from benchmarks.bench_scale import make_set  # bench_scale imports this module
-        n, d = (int(v) for v in shape.split("x"))
-        base, queries = make_set(family, n, d, queries=10_000)
-        return f"{family}-{n // 1000}k-d{d}", base.to(device), queries.to(device), None
-    if spec.startswith("clustered"):
-        kv = dict(item.split("=", 1) for item in spec.partition(":")[2].split(",") if item)
-        n, d = int(kv.get("n", 1_000_000)), int(kv.get("d", 128))
-        clusters, nq = int(kv.get("clusters", 1000)), int(kv.get("queries", 10_000))
-        g = torch.Generator(device=device).manual_seed(int(kv.get("seed", 0)))
-        centres = torch.randn(clusters, d, generator=g, device=device) * 3
-        labels = torch.randint(clusters, (n + nq,), generator=g, device=device)
-        x = centres[labels] + torch.randn(n + nq, d, generator=g, device=device)
-        x = x.half()
-        return f"clustered-{n // 1000}k-d{d}-c{clusters}", x[:n].contiguous(), x[n:].contiguous(), None
-    path, _, opts = spec.partition(":")
-    blob = torch.load(path, map_location=device)
-    base, queries, gt = blob["base"].contiguous(), blob["queries"].contiguous(), blob.get("gt")
-    name = os.path.splitext(os.path.basename(path))[0]
-    if opts.startswith("pca="):
-        dim = int(opts[4:])
-        sample = base[torch.randperm(base.shape[0], device=device)[:100_000]].float()
-        mean = sample.mean(0)
-        _, _, v = torch.linalg.svd(sample - mean, full_matrices=False)
-        project = lambda t: torch.nn.functional.normalize((t.float() - mean) @ v[:dim].T, dim=1).half()  # noqa: E731
-        base, queries, gt, name = project(base).contiguous(), project(queries).contiguous(), None, f"{name}-pca{dim}"
-    return name, base, queries, gt
-
-
-def brute_force(base: torch.Tensor, queries: torch.Tensor, k: int, dtype: torch.dtype, chunk: int = 2048):
-    """Plain PyTorch exact search: ||x||^2 - 2 q.X^T per query chunk, then topk."""
-    x = base.to(dtype)
-    x_norm = x.float().pow(2).sum(1)
-    ids = []
-    for q in queries.to(dtype).split(chunk):
-        scores = x_norm - 2 * (q @ x.T).float()
-        ids.append(scores.topk(k, dim=1, largest=False).indices)
-    return torch.cat(ids)
-
-
-def exact_knn_graph(base: torch.Tensor, k: int, chunk: int = 4096):
-    """Plain PyTorch exact k-NN graph of all rows (self excluded), float16 matmul."""
-    x_norm = base.float().pow(2).sum(1)
-    out = []
-    for s in range(0, base.shape[0], chunk):
-        q = base[s:s + chunk]
-        scores = x_norm - 2 * (q @ base.T).float()
-        scores[torch.arange(q.shape[0], device=q.device), torch.arange(s, s + q.shape[0], device=q.device)] = float("inf")
-        out.append(scores.topk(k, dim=1, largest=False).indices)
-    return torch.cat(out)
 
 
 def bytes_per_query(base, dists_per_query: float, list_size: int, codes=None) -> float:
@@ -147,18 +84,12 @@ def search_curve(base, graph, queries, gt, batch, lists, widths, codes=None):
     return curve
 
 
-def parse_build(text: str) -> dict:
-    """"pool_size=64,reverse_ratio=0.8,update_order=descending" -> keyword arguments of build."""
-    return {k: (float(v) if "." in v else int(v) if v.lstrip("-").isdigit() else v)
-            for k, v in (kv.split("=") for kv in text.split(",") if kv)}
-
-
 def build_sweep(base, queries, gt, configs, batch):
     """Build time, recall@10, QPS and distances per query at list 64 for each configuration."""
     rows = []
     q, truth = queries[:batch], gt[:batch]
     for text in configs:
-        cfg = parse_build(text)
+        cfg = parse_settings(text)
         graph, secs = cuda_time(lambda: grnnd.build(base, **cfg))
         run = lambda: grnnd.search(base, graph, q, 10, list_size=64)  # noqa: E731
         run()
@@ -245,7 +176,7 @@ def main():
         print(f"brute force {dtype}: recall {r:.4f} {queries.shape[0] / secs:,.0f} q/s", flush=True)
     gt = gt.to(device)
 
-    params = parse_build(args.build)
+    params = parse_settings(args.build)
     grnnd.build(base[:100_000], **params)  # warm-up: kernel load, allocator
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -31,7 +31,7 @@ from torch import Tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.bench_scale import make_set, parse_sets  # noqa: E402
+from benchmarks.datasets import make_set, parse_sets  # noqa: E402
 from benchmarks.report import gpu_result_stem, machine, machine_line  # noqa: E402
 
 K = 10

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.bench_gpu import cuda_time  # noqa: E402
+from benchmarks.common import cuda_time  # noqa: E402
 from benchmarks.report import sized_gpu_run  # noqa: E402
 
 

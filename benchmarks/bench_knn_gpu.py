@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.bench_gpu import brute_force, cuda_time, exact_knn_graph, load_data  # noqa: E402
+from benchmarks.common import brute_force, cuda_time, exact_knn_graph  # noqa: E402
+from benchmarks.datasets import load_data  # noqa: E402
 from benchmarks.report import machine, write  # noqa: E402
 
 

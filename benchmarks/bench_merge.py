@@ -19,8 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.bench_gpu import parse_build  # noqa: E402
-from benchmarks.bench_update import K, LIST, recall, setup, timed  # noqa: E402
+from benchmarks.common import K, LIST, parse_settings, recall, setup, timed  # noqa: E402
 from benchmarks.report import machine, machine_line  # noqa: E402
 
 
@@ -29,7 +28,7 @@ def main():
         __doc__, "clustered:n=10000000,d=128,clusters=10000,queries=10000",
         lambda p: p.add_argument("--settings", default="", help="merges beside the default one, ';' between them"))
     variants = [""] + [text.strip() for text in args.settings.split(";") if text.strip()]
-    settings = [parse_build(text) for text in variants]
+    settings = [parse_settings(text) for text in variants]
     for s in settings:
         grnnd.BuildParams.merge(None, **s)  # an unknown field fails here, before any build
     n = base.shape[0]

@@ -25,6 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import median_ms  # noqa: E402
 from benchmarks.report import machine  # noqa: E402
 from torch_grnnd.pyg import knn_graph  # noqa: E402
 
@@ -38,19 +39,6 @@ WORKLOADS = [  # clouds, points per cloud, dim, k
     (1, 1_000_000, 3, 16),
 ]
 TORCH_MAX_SCORES = 1 << 31  # [B, n, n] float32 distances torch may materialise (8 GiB)
-
-
-def median_ms(fn, repeat: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def torch_knn_graph(x: torch.Tensor, clouds: int, k: int) -> torch.Tensor:

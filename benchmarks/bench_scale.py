@@ -4,7 +4,8 @@
     python benchmarks/bench_scale.py --sets blobs:4000000x384,zipf:1000000x384 \\
         --builds "" "start=random,delta=0,outer_iters=3,inner_iters=6" --out DIR
 
-Data families, made on the GPU in float16, with 1000 held-out queries drawn the same way:
+Data families (made by benchmarks/datasets.py), on the GPU in float16, with 1000 held-out queries
+drawn the same way:
   blobs  N / 1000 Gaussian clusters of equal expected size (centres spread by 3, unit noise),
          the generator of benchmarks/bench_gpu.py: each cluster holds about 1000 rows at any N,
          so only the number of clusters grows;
@@ -41,84 +42,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.bench_gpu import cuda_time, parse_build  # noqa: E402
+from benchmarks.common import cuda_time, parse_settings  # noqa: E402
+from benchmarks.datasets import make_rare_queries, make_set, parse_sets  # noqa: E402
 from benchmarks.report import machine, machine_line  # noqa: E402
 from torch_grnnd.params import BuildParams  # noqa: E402
 
 LISTS = (32, 64, 128)  # list sizes measured by default; 64 is the one the PNG and the issue compare
-QUERIES = 1000
-
-
-def parse_sets(spec: str) -> list:
-    """``"blobs:1000000x384,zipf:..."`` -> ``[("blobs", 1000000, 384), ...]``."""
-    sets = []
-    for item in spec.split(","):
-        family, _, size = item.partition(":")
-        n, d = (int(v) for v in size.split("x"))
-        sets.append((family, n, d))
-    return sets
-
-
-FAMILIES = ("blobs", "zipf", "aniso", "zipf_aniso")
-
-
-def _clusters(family: str, n: int, d: int, g: torch.Generator, device):
-    """The family's clusters, drawn first from ``g`` (so a generator of the same seed draws them
-    again): (centres [C, D], per-cluster noise scales [C, D] or a scalar / [D], cluster weights
-    [C] for the rows' labels, None for uniform)."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}")
-    clusters = max(n // 1000, 10)
-    centres = torch.randn(clusters, d, generator=g, device=device) * (1.5 if family == "zipf_aniso" else 3)
-    if family == "aniso":  # the centres above are drawn all the same, so that the rows stay those of earlier runs
-        return torch.zeros(1, d, device=device), torch.logspace(0, -1.5, d, device=device), None
-    scales = 1.0
-    if family == "zipf_aniso":
-        scales = 10 ** (torch.rand(clusters, d, generator=g, device=device) * 1.25 - 1.0)
-    weights = None
-    if family in ("zipf", "zipf_aniso"):
-        weights = (1.0 / torch.arange(1, clusters + 1, device=device, dtype=torch.float64)).float()
-    return centres, scales, weights
-
-
-def _rows(centres, scales, labels, d, g, device, chunk) -> torch.Tensor:
-    """float16 rows of the clusters ``labels``, made chunk by chunk (10M x 1024 is 20 GB)."""
-    x = torch.empty(labels.shape[0], d, dtype=torch.float16, device=device)
-    for start in range(0, labels.shape[0], chunk):
-        end = min(labels.shape[0], start + chunk)
-        part = labels[start:end]
-        noise = torch.randn(end - start, d, generator=g, device=device)
-        noise *= scales[part] if torch.is_tensor(scales) and scales.dim() == 2 else scales
-        x[start:end] = (centres[part] + noise).half()
-    return x
-
-
-def make_set(family: str, n: int, d: int, seed: int = 0, chunk: int = 1 << 20, want_labels: bool = False,
-             queries: int = QUERIES, device="cuda"):
-    """(base, queries) float16 on ``device``, the queries drawn like the rows. With
-    ``want_labels``, also the cluster of every row: (base, queries, base_labels, query_labels)."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    centres, scales, weights = _clusters(family, n, d, g, device)
-    total = n + queries
-    if weights is not None:
-        labels = torch.multinomial(weights, total, replacement=True, generator=g)
-    elif family == "aniso":
-        labels = torch.zeros(total, dtype=torch.int64, device=device)
-    else:
-        labels = torch.randint(centres.shape[0], (total,), generator=g, device=device)
-    x = _rows(centres, scales, labels, d, g, device, chunk)
-    if want_labels:
-        return x[:n], x[n:], labels[:n], labels[n:]
-    return x[:n], x[n:]
-
-
-def make_rare_queries(family: str, n: int, d: int, seed: int = 0, queries: int = QUERIES, device="cuda"):
-    """(queries, labels): queries of make_set's clusters for the same seed, each from a cluster
-    chosen uniformly rather than by its size: the rare categories."""
-    centres, scales, _ = _clusters(family, n, d, torch.Generator(device=device).manual_seed(seed), device)
-    g = torch.Generator(device=device).manual_seed(seed + 1)
-    labels = torch.randint(centres.shape[0], (queries,), generator=g, device=device)
-    return _rows(centres, scales, labels, d, g, device, 1 << 20), labels
 
 
 # Cluster sizes the queries are grouped by (by_cluster_size).
@@ -241,7 +170,7 @@ def main():
         rare = (rare_queries, grnnd.knn(base, rare_queries, 10)[1], rare_labels)
         grnnd.build(base[:50_000])  # warm-up: kernels loaded, allocator primed
         for text in args.builds:
-            settings = parse_build(text)
+            settings = parse_settings(text)
             row = {"family": family, "n": n, "d": d, **measure(base, queries, truth, settings, lists, labels, rare)}
             rows.append(row)
             print(f"{family} {n:>10,} x {d:<5} {describe(settings):<50} build {row['build_s']:7.3f} s, "

@@ -20,41 +20,16 @@ Times: CUDA events on a GPU, wall clock on the CPU, after one pass of every path
 storage is, and stays in). Writes update_<name>.{json,md} under --out (update_<name>_<scenarios>
 when not all of them ran).
 """
-import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.bench_gpu import load_data  # noqa: E402
+from benchmarks.common import K, LIST, recall, setup, timed  # noqa: E402
 from benchmarks.report import machine, machine_line  # noqa: E402
-
-LIST = 64
-K = 10
-
-
-def timed(fn, device: torch.device):
-    """(result, seconds) of one call."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn()
-        end.record()
-        torch.cuda.synchronize()
-        return out, start.elapsed_time(end) / 1000
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
-def recall(index: grnnd.Index, queries: torch.Tensor, truth: torch.Tensor) -> float:
-    """recall@10 of the index's ids against ``truth`` (ids of the same kind)."""
-    found = index.search(queries, K, list_size=LIST)[1]
-    return grnnd.recall(found, truth, K)
 
 
 def truth_over(rows: torch.Tensor, ids: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
@@ -149,31 +124,6 @@ def deletes(base, queries, device) -> dict:
     return {"remove_s": remove_s, "removed_ids_returned": removed_returned, "recall_before_compact": before,
             "compact_s": compact_s, "recall": recall(index, queries, truth), "fresh_build_s": fresh_s,
             "fresh_recall": recall(fresh, queries, truth)}
-
-
-def setup(description: str, data: str, arguments=None):
-    """The command line of the update benchmarks (--data, --device, --out, and whatever
-    ``arguments(parser)`` adds), the data loaded (float32 on the CPU) and a warm-up build:
-    ``(args, device, name, base, queries)``."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=data)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default="benchmarks/results")
-    if arguments is not None:
-        arguments(p)
-    args = p.parse_args()
-    # The command as the result files quote it: the script with the arguments it was given but --out.
-    args.command = " ".join([f"python benchmarks/{os.path.basename(sys.argv[0])}"] + [
-        f"--{key} {value}" for key, value in vars(args).items() if key != "out" and value != p.get_default(key)])
-    device = torch.device(args.device)
-    name, base, queries, _ = load_data(args.data, device)
-    if device.type == "cpu":
-        base, queries = base.float(), queries.float()
-    # Warm-up. On the GPU the first build of a size also grows the caching allocator's pool,
-    # which every later build finds ready: on one H100 a first build of 1M x 384 rows took 0.71 s
-    # against 0.47 s. So the whole data set is built once before anything is timed.
-    grnnd.build(base if device.type == "cuda" else base[: min(50_000, base.shape[0])])
-    return args, device, name, base, queries
 
 
 SCENARIOS = {f.__name__: f for f in (daily_inserts, bulk_growth, large_adds, deletes)}

@@ -1,7 +1,9 @@
 """Benchmark data: clustered synthetic sets and real model embeddings, with exact ground truth.
 
-Every loader returns a dict {"name", "base": float32 [N, D], "queries": float32 [Q, D],
-"gt": int64 [Q, >=10], "metric"}; ground truth is exact (faiss-cpu IndexFlat).
+The CPU benchmarks' loaders return a dict {"name", "base": float32 [N, D], "queries": float32
+[Q, D], "gt": int64 [Q, >=10], "metric"}; ground truth is exact (faiss-cpu IndexFlat). The GPU
+benchmarks' data (``load_data``, the synthetic families of ``make_set``, described in
+bench_scale.py) is made on the GPU in float16, its ground truth computed where it is measured.
 
 A dataset is named on the command line by a spec (see ``load``):
     clustered:n=20000,d=64,clusters=100,queries=500,seed=0
@@ -10,13 +12,13 @@ A dataset is named on the command line by a spec (see ``load``):
 """
 import os
 
-import faiss
 import numpy as np
 import torch
 
 
 def exact_gt(base: torch.Tensor, queries: torch.Tensor, k: int = 100, metric: str = "l2") -> torch.Tensor:
     """Exact k nearest neighbours (int64 [Q, k]) by faiss-cpu IndexFlat; cosine/ip by inner product."""
+    import faiss  # here: the GPU scripts use this module without faiss
     x = np.ascontiguousarray(base.float().numpy())
     q = np.ascontiguousarray(queries.float().numpy())
     if metric == "cosine":
@@ -76,3 +78,113 @@ def load(spec: str) -> dict:
     path, _, opts = spec.partition(":")
     kv = _kv(opts)
     return load_embeddings(path, int(kv.get("n", 0)), int(kv.get("queries", 0)), kv.get("metric", "l2"))
+
+
+# The synthetic families of the GPU benchmarks (bench_scale.py describes them), made on the GPU in
+# float16 from one seed, and the GPU benchmarks' --data specs.
+FAMILY_QUERIES = 1000
+
+
+def parse_sets(spec: str) -> list:
+    """``"blobs:1000000x384,zipf:..."`` -> ``[("blobs", 1000000, 384), ...]``."""
+    sets = []
+    for item in spec.split(","):
+        family, _, size = item.partition(":")
+        n, d = (int(v) for v in size.split("x"))
+        sets.append((family, n, d))
+    return sets
+
+
+FAMILIES = ("blobs", "zipf", "aniso", "zipf_aniso")
+
+
+def _clusters(family: str, n: int, d: int, g: torch.Generator, device):
+    """The family's clusters, drawn first from ``g`` (so a generator of the same seed draws them
+    again): (centres [C, D], per-cluster noise scales [C, D] or a scalar / [D], cluster weights
+    [C] for the rows' labels, None for uniform)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}")
+    clusters = max(n // 1000, 10)
+    centres = torch.randn(clusters, d, generator=g, device=device) * (1.5 if family == "zipf_aniso" else 3)
+    if family == "aniso":  # the centres above are drawn all the same, so that the rows stay those of earlier runs
+        return torch.zeros(1, d, device=device), torch.logspace(0, -1.5, d, device=device), None
+    scales = 1.0
+    if family == "zipf_aniso":
+        scales = 10 ** (torch.rand(clusters, d, generator=g, device=device) * 1.25 - 1.0)
+    weights = None
+    if family in ("zipf", "zipf_aniso"):
+        weights = (1.0 / torch.arange(1, clusters + 1, device=device, dtype=torch.float64)).float()
+    return centres, scales, weights
+
+
+def _rows(centres, scales, labels, d, g, device, chunk) -> torch.Tensor:
+    """float16 rows of the clusters ``labels``, made chunk by chunk (10M x 1024 is 20 GB)."""
+    x = torch.empty(labels.shape[0], d, dtype=torch.float16, device=device)
+    for start in range(0, labels.shape[0], chunk):
+        end = min(labels.shape[0], start + chunk)
+        part = labels[start:end]
+        noise = torch.randn(end - start, d, generator=g, device=device)
+        noise *= scales[part] if torch.is_tensor(scales) and scales.dim() == 2 else scales
+        x[start:end] = (centres[part] + noise).half()
+    return x
+
+
+def make_set(family: str, n: int, d: int, seed: int = 0, chunk: int = 1 << 20, want_labels: bool = False,
+             queries: int = FAMILY_QUERIES, device="cuda"):
+    """(base, queries) float16 on ``device``, the queries drawn like the rows. With
+    ``want_labels``, also the cluster of every row: (base, queries, base_labels, query_labels)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    centres, scales, weights = _clusters(family, n, d, g, device)
+    total = n + queries
+    if weights is not None:
+        labels = torch.multinomial(weights, total, replacement=True, generator=g)
+    elif family == "aniso":
+        labels = torch.zeros(total, dtype=torch.int64, device=device)
+    else:
+        labels = torch.randint(centres.shape[0], (total,), generator=g, device=device)
+    x = _rows(centres, scales, labels, d, g, device, chunk)
+    if want_labels:
+        return x[:n], x[n:], labels[:n], labels[n:]
+    return x[:n], x[n:]
+
+
+def make_rare_queries(family: str, n: int, d: int, seed: int = 0, queries: int = FAMILY_QUERIES, device="cuda"):
+    """(queries, labels): queries of make_set's clusters for the same seed, each from a cluster
+    chosen uniformly rather than by its size: the rare categories."""
+    centres, scales, _ = _clusters(family, n, d, torch.Generator(device=device).manual_seed(seed), device)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    labels = torch.randint(centres.shape[0], (queries,), generator=g, device=device)
+    return _rows(centres, scales, labels, d, g, device, 1 << 20), labels
+
+
+def load_data(spec: str, device: str):
+    """(name, base, queries, ground truth or None) of a GPU benchmark's --data: a family
+    ("zipf:2000000x128"), "clustered:n=...,d=...,clusters=...,queries=...,seed=...", or a saved
+    {"base", "queries", "gt"} file (":pca=D" projects it to D dimensions)."""
+    family, _, shape = spec.partition(":")
+    if family in FAMILIES:  # the synthetic families: "zipf:2000000x128"
+        n, d = (int(v) for v in shape.split("x"))
+        base, queries = make_set(family, n, d, queries=10_000)
+        return f"{family}-{n // 1000}k-d{d}", base.to(device), queries.to(device), None
+    if spec.startswith("clustered"):
+        kv = dict(item.split("=", 1) for item in spec.partition(":")[2].split(",") if item)
+        n, d = int(kv.get("n", 1_000_000)), int(kv.get("d", 128))
+        clusters, nq = int(kv.get("clusters", 1000)), int(kv.get("queries", 10_000))
+        g = torch.Generator(device=device).manual_seed(int(kv.get("seed", 0)))
+        centres = torch.randn(clusters, d, generator=g, device=device) * 3
+        labels = torch.randint(clusters, (n + nq,), generator=g, device=device)
+        x = centres[labels] + torch.randn(n + nq, d, generator=g, device=device)
+        x = x.half()
+        return f"clustered-{n // 1000}k-d{d}-c{clusters}", x[:n].contiguous(), x[n:].contiguous(), None
+    path, _, opts = spec.partition(":")
+    blob = torch.load(path, map_location=device)
+    base, queries, gt = blob["base"].contiguous(), blob["queries"].contiguous(), blob.get("gt")
+    name = os.path.splitext(os.path.basename(path))[0]
+    if opts.startswith("pca="):
+        dim = int(opts[4:])
+        sample = base[torch.randperm(base.shape[0], device=device)[:100_000]].float()
+        mean = sample.mean(0)
+        _, _, v = torch.linalg.svd(sample - mean, full_matrices=False)
+        project = lambda t: torch.nn.functional.normalize((t.float() - mean) @ v[:dim].T, dim=1).half()  # noqa: E731
+        base, queries, gt, name = project(base).contiguous(), project(queries).contiguous(), None, f"{name}-pca{dim}"
+    return name, base, queries, gt

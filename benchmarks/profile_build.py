@@ -1,14 +1,16 @@
-"""The build launches ncu profiles: a warm-up build, then the profiled one, on real embeddings.
+"""The build's update kernel under ncu: a warm-up build, then the profiled one, on saved rows.
 
-    ncu -k regex:update_kernel --launch-skip 24 --launch-count 1 --set full -o build \\
-        python benchmarks/profile_build.py DIR/embeddings.pt
+    python benchmarks/profile_build.py DIR/embeddings.pt [name=value ...]     # prints the rounds
+    ncu -k regex:update_kernel --launch-skip R --launch-count 1 --set full -o build \\
+        python benchmarks/profile_build.py DIR/embeddings.pt [name=value ...]
     ncu -i build.ncu-rep --page details --section WarpStateStats --section SpeedOfLight
 
-The first build is the warm-up: with the default parameters it launches 18 update rounds
-(3 outer x 6 inner), so --launch-skip 24 lands on the seventh round of the second build, the
-first of its second outer iteration. Build parameters can be given after the path, e.g.
-pool_size=64 (then count the rounds again).
+The first build is the warm-up. How many update rounds it launches depends on when its rounds
+converge (``delta``), so the script prints it: with R that number, ``--launch-skip R`` lands on
+the first round of the second build, ``R + r`` on its round r + 1. Build settings (any field of
+BuildParams, ``name=value``) follow the path and apply to both builds.
 """
+import argparse
 import os
 import sys
 
@@ -16,16 +18,23 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.bench_gpu import parse_build  # noqa: E402
+from benchmarks.common import parse_settings  # noqa: E402
 
 
-def main(path: str, overrides: list):
-    params = parse_build(",".join(overrides))
-    data = torch.load(path, map_location="cuda")["base"].contiguous()
-    for _ in range(2):
-        grnnd.build(data, **params)
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="a saved {'base': rows, ...} file (benchmarks' text embeddings)")
+    p.add_argument("settings", nargs="*", help="build settings, name=value")
+    args = p.parse_args()
+    params = parse_settings(",".join(args.settings))
+    data = torch.load(args.path, map_location="cuda")["base"].contiguous()
+    rounds = []
+    grnnd.build(data, progress=lambda done, total: rounds.append(done), **params)
+    torch.cuda.synchronize()
+    print(f"warm-up build: {rounds[-1] if rounds else 0} update rounds", file=sys.stderr, flush=True)
+    grnnd.build(data, **params)
     torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    main()

@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_pyg import median_ms  # noqa: E402
+from benchmarks.common import median_ms  # noqa: E402
 from torch_grnnd.pyg import knn_graph  # noqa: E402
 
 

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.bench_gpu import parse_build  # noqa: E402
+from benchmarks.common import parse_settings  # noqa: E402
 
 
 def main():
@@ -32,7 +32,7 @@ def main():
     args = p.parse_args()
     blob = torch.load(args.data, map_location="cuda")
     data, queries = blob["base"].contiguous(), blob["queries"].contiguous()
-    graph = grnnd.build(data, **parse_build(args.build))
+    graph = grnnd.build(data, **parse_settings(args.build))
     if args.batch:
         grnnd.search(data, graph, queries[:args.batch], 10, list_size=args.list, searches=args.searches)
     else:

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.bench_gpu import load_data  # noqa: E402
+from benchmarks.datasets import load_data  # noqa: E402
 
 
 def per_call(run, queries, batch, calls=200):

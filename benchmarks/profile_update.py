@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.bench_gpu import load_data, parse_build  # noqa: E402
-from benchmarks.bench_update import timed  # noqa: E402
+from benchmarks.common import parse_settings, timed  # noqa: E402
+from benchmarks.datasets import load_data  # noqa: E402
 
 
 def main():
@@ -35,7 +35,7 @@ def main():
     n = base.shape[0]
     step = max(1, int(n * args.share))
     first = n - step * (args.adds + 2)
-    params = grnnd.BuildParams(**parse_build(args.build))
+    params = grnnd.BuildParams(**parse_settings(args.build))
     index = grnnd.Index.build(base[:first], params)
     batches = [base[first + i * step:first + (i + 1) * step] for i in range(args.adds + 2)]
     _, grow = timed(lambda: index.add(batches[0]), device)

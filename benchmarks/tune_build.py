@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
 from benchmarks import datasets, report  # noqa: E402
-from benchmarks.bench_cpu import FaissHNSW, parse_params  # noqa: E402
+from benchmarks.baselines import FaissHNSW  # noqa: E402
+from benchmarks.common import parse_settings  # noqa: E402
 
 LIST_SIZES = [10, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384]
 EF = [10, 16, 24, 32, 48, 64, 96, 128, 192, 256]
@@ -103,7 +104,7 @@ def main():
 
     run_hnsw()
     for i, cfg in enumerate(a.configs):
-        params = parse_params(cfg)
+        params = parse_settings(cfg)
         t0 = time.perf_counter()
         graph = grnnd.build(base, metric=data["metric"], **params)
         build_s = time.perf_counter() - t0

@@ -66,7 +66,7 @@ def test_runs_of_other_gpus_are_not_compared(run):
 def test_scale_families_and_their_rare_queries():
     # benchmarks/bench_scale.py: zipf_aniso rows come from clusters of Zipf sizes, each with noise
     # scales of its own per dimension; the rare queries come from clusters chosen uniformly.
-    from benchmarks.bench_scale import make_rare_queries, make_set
+    from benchmarks.datasets import make_rare_queries, make_set
     base, queries, base_labels, query_labels = make_set("zipf_aniso", 20_000, 16, want_labels=True, device="cpu")
     assert base.shape == (20_000, 16) and queries.shape == (1_000, 16) and base.dtype == torch.float16
     again = make_set("zipf_aniso", 20_000, 16, device="cpu")[0]
