@@ -299,7 +299,8 @@ def plan_shards(data: Tensor, rows_per_shard: int, metric: str, device: torch.de
 def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Union[str, torch.device],
                     max_memory: Optional[Union[int, str]] = None, progress: Progress = False) -> Tensor:
     """The graph of ``data`` (int32 [N, degree], on data's device) built on ``device`` within
-    ``max_memory`` bytes (default: what is free there); see the module doc."""
+    ``max_memory`` bytes (default: what is free there); see the module doc. Four steps: plan the
+    shards, build the centres' skeleton, build each shard, join the rows two shards hold."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -323,50 +324,75 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
             logger.info("out-of-core build: %d shards of at most %d rows, %.0f%% of rows in two, planned in %.2f s",
                         len(members), rows_per_shard, 100 * float((secondary >= 0).float().mean()),
                         time.perf_counter() - started)
-            started = time.perf_counter()
-            # The centres' own graph: long edges between regions that no shard holds both ends of.
-            # Every shard holds the centres, so their rows join it from the shard that owns them.
-            local = ops.build(data[centre_ids.to(data.device)].to(device), params, metric=metric)
-            skeleton = editing.relabel(local.long(), centre_ids.to(device))
-            graph = torch.full((n, params.degree), -1, dtype=torch.int32)
             shared_rows = _shared_by_cell(secondary, cell)
-            slot = torch.full((n,), -1, dtype=torch.int64)
-            slot[shared_rows] = torch.arange(shared_rows.numel())
-            second_graph = torch.full((shared_rows.numel(), params.degree), -1, dtype=torch.int32)
-            total = sum(m.numel() for m in members) + shared_rows.numel()
-            done = 0
-            shards = ((ids, s) for s, ids in enumerate(members))
-            # A shard's rows are stored on the host by a thread of their own while the next shard
-            # builds (10M x 1024 within 8 GB on an H100: 42.8 s against 45.5 s storing in turn).
-            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as storer:
-                stored = None
-                for rows, ids, s in loader.stream(shards):
-                    if done == 0:
-                        logger.info("out-of-core build: skeleton of %d rows and staging buffer ready after %.2f s "
-                                    "more", centre_ids.numel(), time.perf_counter() - started)
-                    built = _build_shard(rows, ids.to(device), s, primary, centre_ids, skeleton, params, metric)
-                    del rows
-                    if stored is not None:
-                        stored.result()  # one shard's rows waiting on the host at most
-                    stored = storer.submit(_store_shard, built, ids.cpu(), s, primary, secondary, graph,
-                                           second_graph, slot)
-                    done += ids.numel()
-                    report(done, total)
-                if stored is not None:
-                    stored.result()
-            logger.info("out-of-core build: %d shards built after %.2f s more", len(members),
-                        time.perf_counter() - started)
-            started = time.perf_counter()
+            steps = _Steps(report, sum(m.numel() for m in members) + shared_rows.numel())
+            graph, second_graph, slot = _build_shards(data, loader, members, primary, secondary, centre_ids,
+                                                      shared_rows, params, metric, device, steps)
             capacity = join_capacity(budget, n, dim, data.element_size(), params, rows_per_shard)
-            for part, candidates, needed in _join_chunks(shared_rows, graph, second_graph, slot, capacity, device):
-                graph[part] = _join(loader.rows(needed), needed, part.to(device), candidates, params, metric)
-                done += part.numel()
-                report(done, total)
-            logger.info("out-of-core build: %d shared rows joined in %.2f s", shared_rows.numel(),
-                        time.perf_counter() - started)
+            _join_shared(loader, graph, second_graph, slot, shared_rows, capacity, params, metric, device, steps)
         finally:
             close()
     return graph.to(data.device)
+
+
+class _Steps:
+    """The rows built or joined so far, reported to ``report`` against ``total``."""
+
+    def __init__(self, report, total: int):
+        self.report, self.total, self.done = report, total, 0
+
+    def add(self, rows: int) -> None:
+        self.done += rows
+        self.report(self.done, self.total)
+
+
+def _build_shards(data: Tensor, loader: "_RowLoader", members: List[Tensor], primary: Tensor, secondary: Tensor,
+                  centre_ids: Tensor, shared_rows: Tensor, params: BuildParams, metric: str, device: torch.device,
+                  steps: _Steps) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(graph, second_graph, slot)`` on the host: each row's row from the shard that owns it,
+    and for the rows two shards hold (``shared_rows``) their row from the second, at ``slot``."""
+    started = time.perf_counter()
+    n = data.shape[0]
+    # The centres' own graph: long edges between regions that no shard holds both ends of.
+    # Every shard holds the centres, so their rows join it from the shard that owns them.
+    local = ops.build(data[centre_ids.to(data.device)].to(device), params, metric=metric)
+    skeleton = editing.relabel(local.long(), centre_ids.to(device))
+    graph = torch.full((n, params.degree), -1, dtype=torch.int32)
+    slot = torch.full((n,), -1, dtype=torch.int64)
+    slot[shared_rows] = torch.arange(shared_rows.numel())
+    second_graph = torch.full((shared_rows.numel(), params.degree), -1, dtype=torch.int32)
+    shards = ((ids, s) for s, ids in enumerate(members))
+    # A shard's rows are stored on the host by a thread of their own while the next shard
+    # builds (10M x 1024 within 8 GB on an H100: 42.8 s against 45.5 s storing in turn).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as storer:
+        stored = None
+        for rows, ids, s in loader.stream(shards):
+            if stored is None:
+                logger.info("out-of-core build: skeleton of %d rows and staging buffer ready after %.2f s "
+                            "more", centre_ids.numel(), time.perf_counter() - started)
+            built = _build_shard(rows, ids.to(device), s, primary, centre_ids, skeleton, params, metric)
+            del rows
+            if stored is not None:
+                stored.result()  # one shard's rows waiting on the host at most
+            stored = storer.submit(_store_shard, built, ids.cpu(), s, primary, secondary, graph,
+                                   second_graph, slot)
+            steps.add(ids.numel())
+        if stored is not None:
+            stored.result()
+    logger.info("out-of-core build: %d shards built after %.2f s more", len(members), time.perf_counter() - started)
+    return graph, second_graph, slot
+
+
+def _join_shared(loader: "_RowLoader", graph: Tensor, second_graph: Tensor, slot: Tensor, shared_rows: Tensor,
+                 capacity: int, params: BuildParams, metric: str, device: torch.device, steps: _Steps) -> None:
+    """Each row two shards hold gets, in ``graph``, the rule's choice among its two rows, a chunk
+    of rows at a time (the rows a chunk reads at most ``capacity``)."""
+    started = time.perf_counter()
+    for part, candidates, needed in _join_chunks(shared_rows, graph, second_graph, slot, capacity, device):
+        graph[part] = _join(loader.rows(needed), needed, part.to(device), candidates, params, metric)
+        steps.add(part.numel())
+    logger.info("out-of-core build: %d shared rows joined in %.2f s", shared_rows.numel(),
+                time.perf_counter() - started)
 
 
 def _build_shard(rows: Tensor, ids: Tensor, s: int, primary: Tensor, centre_ids: Tensor, skeleton: Tensor,
