@@ -92,6 +92,68 @@ void shrink_row(const VectorSet& vectors, int64_t v, const int64_t* cand, int64_
   }
 }
 
+// The rule of prune.h for vertex v (steps 1-4), over its `width` candidates `cand`, of which the
+// first `fixed` are kept whatever the rule says.
+void prune_row(const VectorSet& vectors, int64_t v, const int64_t* cand, int64_t width, int64_t n, int64_t degree,
+               int64_t list_size, int64_t fixed, bool rule, int32_t* row) {
+  // 1-2: the distinct candidates by (distance, id); of two copies of an id the fixed one
+  // (free = 0) sorts first and stays.
+  struct Candidate {
+    float dist;
+    int64_t id;
+    int free;
+    bool operator<(const Candidate& o) const {
+      return dist < o.dist || (dist == o.dist && (id < o.id || (id == o.id && free < o.free)));
+    }
+  };
+  std::vector<Candidate> list;
+  list.reserve(width);
+  for (int64_t j = 0; j < width; ++j) {
+    const int64_t u = cand[j];
+    if (u >= 0 && u < n && u != v) list.push_back({vectors(v, u), u, j < fixed ? 0 : 1});
+  }
+  std::sort(list.begin(), list.end());
+  list.erase(std::unique(list.begin(), list.end(),
+                         [](const Candidate& a, const Candidate& b) { return a.id == b.id; }),
+             list.end());
+  // The list: the nearest `degree` fixed ones and the nearest list_size free ones, in order.
+  int64_t fixed_in_list = 0, free_in_list = 0;
+  size_t listed = 0;
+  for (const Candidate& e : list) {
+    if (e.free ? free_in_list < list_size : fixed_in_list < degree) {
+      (e.free ? free_in_list : fixed_in_list) += 1;
+      list[listed++] = e;
+    }
+  }
+  list.resize(listed);
+  // 3: the rule, then the fill from what it dropped.
+  std::vector<char> kept(list.size(), 0);
+  int64_t count = 0;
+  // Every fixed entry is kept; the free ones share the places the fixed ones leave.
+  int64_t free_places = degree - fixed_in_list;
+  for (size_t j = 0; j < list.size(); ++j) {
+    if (list[j].free && free_places == 0) continue;
+    bool keep = true;
+    for (size_t w = 0; w < j && keep && rule && list[j].free; ++w) {
+      keep = !(kept[w] && vectors(list[w].id, list[j].id) < list[j].dist);
+    }
+    kept[j] = keep;
+    count += keep;
+    free_places -= keep && list[j].free;
+  }
+  for (size_t j = 0; j < list.size() && count < degree; ++j) {
+    if (!kept[j]) {
+      kept[j] = 1;
+      ++count;
+    }
+  }
+  // 4: kept entries in list order.
+  int64_t at = 0;
+  for (size_t j = 0; j < list.size() && at < degree; ++j) {
+    if (kept[j]) row[at++] = static_cast<int32_t>(list[j].id);
+  }
+}
+
 at::Tensor prune_rows_cpu(const at::Tensor& data, const at::Tensor& vertices, const at::Tensor& candidates,
                           int64_t degree, c10::string_view metric_name, bool rule, int64_t fixed, bool shrink) {
   check_prune_inputs(data, vertices, candidates, degree, fixed, shrink);
@@ -111,66 +173,11 @@ at::Tensor prune_rows_cpu(const at::Tensor& data, const at::Tensor& vertices, co
 
   parallel_dynamic(m, 16, [&](int64_t r) {
     const int64_t v = vp[r];
-    if (shrink) {
-      shrink_row(vectors, v, cp + r * c, c, n, degree, op + r * degree);
-      return;
-    }
-    // 1-2: the distinct candidates by (distance, id); of two copies of an id the fixed one
-    // (free = 0) sorts first and stays.
-    struct Candidate {
-      float dist;
-      int64_t id;
-      int free;
-      bool operator<(const Candidate& o) const {
-        return dist < o.dist || (dist == o.dist && (id < o.id || (id == o.id && free < o.free)));
-      }
-    };
-    std::vector<Candidate> list;
-    list.reserve(c);
-    for (int64_t j = 0; j < c; ++j) {
-      const int64_t u = cp[r * c + j];
-      if (u >= 0 && u < n && u != v) list.push_back({vectors(v, u), u, j < fixed ? 0 : 1});
-    }
-    std::sort(list.begin(), list.end());
-    list.erase(std::unique(list.begin(), list.end(),
-                           [](const Candidate& a, const Candidate& b) { return a.id == b.id; }),
-               list.end());
-    // The list: the nearest `degree` fixed ones and the nearest list_size free ones, in order.
-    int64_t fixed_in_list = 0, free_in_list = 0;
-    size_t listed = 0;
-    for (const Candidate& e : list) {
-      if (e.free ? free_in_list < list_size : fixed_in_list < degree) {
-        (e.free ? free_in_list : fixed_in_list) += 1;
-        list[listed++] = e;
-      }
-    }
-    list.resize(listed);
-    // 3: the rule, then the fill from what it dropped.
-    std::vector<char> kept(list.size(), 0);
-    int64_t count = 0;
-    // Every fixed entry is kept; the free ones share the places the fixed ones leave.
-    int64_t free_places = degree - fixed_in_list;
-    for (size_t j = 0; j < list.size(); ++j) {
-      if (list[j].free && free_places == 0) continue;
-      bool keep = true;
-      for (size_t w = 0; w < j && keep && rule && list[j].free; ++w) {
-        keep = !(kept[w] && vectors(list[w].id, list[j].id) < list[j].dist);
-      }
-      kept[j] = keep;
-      count += keep;
-      free_places -= keep && list[j].free;
-    }
-    for (size_t j = 0; j < list.size() && count < degree; ++j) {
-      if (!kept[j]) {
-        kept[j] = 1;
-        ++count;
-      }
-    }
-    // 4: kept entries in list order.
     int32_t* row = op + r * degree;
-    int64_t at = 0;
-    for (size_t j = 0; j < list.size() && at < degree; ++j) {
-      if (kept[j]) row[at++] = static_cast<int32_t>(list[j].id);
+    if (shrink) {
+      shrink_row(vectors, v, cp + r * c, c, n, degree, row);
+    } else {
+      prune_row(vectors, v, cp + r * c, c, n, degree, list_size, fixed, rule, row);
     }
   });
   return out;
