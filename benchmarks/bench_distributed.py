@@ -17,7 +17,8 @@ Wall-clock seconds after a CUDA synchronisation and a barrier, median of 3 (buil
 each rank's own build time (the sharded build waits for the slowest), the steps of a sharded
 search one by one (the collectives' share), the replicated search's recall beside one GPU's, and
 the replicated search at --big-batch queries (the batch repeated), where one GPU is busier. Writes
-distributed_<name>_w<W>.{json,md} under --out (rank 0).
+distributed_<name>_w<W>.{json,md} under --out (rank 0); ``--table RUN.json ...`` merges runs on
+2, 4 ... GPUs into one scaling table (distributed_<name>_table.md).
 """
 import argparse
 import json
@@ -105,6 +106,32 @@ def gather_floats(value: float, world: int) -> list:
     return [t.item() for t in everyone]
 
 
+def table(paths: list, out: str) -> str:
+    """One scaling table from runs of this script on 2, 4, ... GPUs (each against one GPU in its
+    own run); returns the path written."""
+    runs = sorted((json.load(open(p)) for p in paths), key=lambda r: r["world"])
+    names = list(dict.fromkeys(r["data"] for r in runs))
+    lines = [f"# Scaling of torch_grnnd.distributed against one GPU, {', '.join(names)}", "",
+             f"Machine: {machine_line(runs[0]['machine'])}. Each run against one GPU in the same run "
+             "(N / W rows for the build and the sharded searches, the replica for the replicated ones).", "",
+             "| GPUs | rows | build (time vs one GPU's N / W) | sharded q/s, recall | partitioned q/s, recall "
+             "(probes) | replicated, batch of the query set / big batch | exact knn |",
+             "|---:|---:|---|---|---|---|---|"]
+    for r in runs:
+        nan = float("nan")
+        lines.append(
+            f"| {r['world']} | {r['n']:,} | {r['build_ratio']:.2f}x | {r['sharded_qps_ratio']:.2f}x, "
+            f"{r.get('sharded_recall', nan):.4f} | {r.get('partitioned_qps_ratio', nan):.2f}x, "  # runs before it: nan
+            f"{r.get('partitioned_recall', nan):.4f} ({r.get('probes')}) | {r['replicated_speedup']:.2f}x / "
+            f"{r['replicated_big_speedup']:.2f}x | {r['exact_speedup']:.2f}x |")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"distributed_{runs[-1]['data']}_table.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return path
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="clustered:n=10000000,d=384,clusters=10000,queries=10000")
@@ -112,7 +139,11 @@ def main():
     p.add_argument("--big-batch", type=int, default=100_000,
                    help="queries of the second replicated measurement (the query set repeated)")
     p.add_argument("--probes", type=int, default=2, help="shards a query visits in the partitioned index")
+    p.add_argument("--table", nargs="+", help="merge these JSON runs (2, 4 ... GPUs) into one scaling table instead")
     args = p.parse_args()
+    if args.table:
+        table(args.table, args.out)
+        return
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -104,3 +104,25 @@ def test_the_distributed_scale_benchmark_runs_on_two_cpu_ranks(tmp_path):
     subprocess.run([sys.executable, script, "--table", str(tmp_path / "distributed_scale_clustered-6k-d16-c20_w2.json"),
                     "--out", str(tmp_path)], check=True, capture_output=True, timeout=120)
     assert "| 2 | 6,000 | 3,000 |" in (tmp_path / "distributed_scale_clustered-6k-d16-c20_table.md").read_text()
+
+
+def test_the_distributed_benchmark_merges_runs_into_one_scaling_table(tmp_path):
+    # benchmarks/bench_distributed.py --table: runs on 2 and 4 GPUs (each against one GPU in its
+    # own run) side by side, ratios as the runs measured them.
+    import subprocess
+    script = os.path.join(ROOT, "benchmarks", "bench_distributed.py")
+    runs = []
+    for world, ratio in ((4, 3.1), (2, 1.7)):
+        run = {"data": "clustered-1000k-d64-c100", "n": 1_000_000, "world": world, "probes": 2,
+               "machine": {"cpu": "test", "cpu_count": 2, "threads": 1}, "build_ratio": 1.01, "sharded_qps_ratio": 0.9,
+               "sharded_recall": 0.97, "partitioned_qps_ratio": ratio, "partitioned_recall": 0.96,
+               "replicated_speedup": ratio, "replicated_big_speedup": ratio + 0.3, "exact_speedup": world * 0.95}
+        path = tmp_path / f"run{world}.json"
+        path.write_text(json.dumps(run))
+        runs.append(str(path))
+    subprocess.run([sys.executable, script, "--table", *runs, "--out", str(tmp_path)], check=True,
+                   capture_output=True, timeout=120)
+    text = (tmp_path / "distributed_clustered-1000k-d64-c100_table.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| 2 ") or line.startswith("| 4 ")]
+    assert [row.split(" |")[0] for row in rows] == ["| 2", "| 4"]  # by the number of GPUs
+    assert "1.70x, 0.9600 (2) | 1.70x / 2.00x | 1.90x" in rows[0] and "| 3.80x |" in rows[1]
