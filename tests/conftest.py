@@ -1,10 +1,16 @@
-"""Shared data for the tests: clustered synthetic vectors and faiss-cpu exact neighbours."""
+"""Shared by the tests: the devices an op's tests run on, clustered synthetic vectors and
+faiss-cpu exact neighbours."""
 import contextlib
 
 import faiss
 import numpy as np
 import pytest
 import torch
+
+# The devices a test of both twins runs on: the CUDA variant is marked "cuda" and skips without
+# a GPU (so `pytest -m cuda` selects every CUDA test, and a CPU run lists them as skipped).
+needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
 
 def clustered(n: int, dim: int, clusters: int, seed: int = 0, spread: float = 3.0, noise: float = 1.0) -> torch.Tensor:

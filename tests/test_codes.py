@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import torch_grnnd as grnnd
-from conftest import clustered, exact_neighbours
+from conftest import DEVICES, clustered, exact_neighbours
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 METRICS = ["l2", "ip", "cosine"]
@@ -204,7 +204,6 @@ def test_cuda_coded_search_is_capturable(kind):
     assert torch.equal(captured[1], eager[1]) and torch.equal(captured[0], eager[0])
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _found_at_zero(index, vectors, ids):

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import torch_grnnd as grnnd
-from conftest import clustered, exact_neighbours
+from conftest import DEVICES, clustered, exact_neighbours
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def run_stress(device: str, kind: str = "Index", edits: int = 36, searchers: int = 3, seconds: float = 60.0):

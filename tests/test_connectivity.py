@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import torch_grnnd as grnnd
-from conftest import clustered
+from conftest import DEVICES, clustered
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def islands(n: int, d: int, count: int, size: int, seed: int = 0) -> torch.Tensor:

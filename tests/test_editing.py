@@ -7,10 +7,8 @@ import pytest
 import torch
 
 import torch_grnnd as grnnd
-from conftest import clustered, exact_neighbours, one_thread
+from conftest import DEVICES, clustered, exact_neighbours, one_thread
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device")])]
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,8 @@ import pytest
 import torch
 
 import torch_grnnd as grnnd
-from conftest import clustered, exact_neighbours
+from conftest import DEVICES, clustered, exact_neighbours
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device")])]
 
 DIM = 32
 # One stream of clustered rows: the first build's, then every added batch's, then queries.

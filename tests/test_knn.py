@@ -3,10 +3,9 @@ import pytest
 import torch
 
 import torch_grnnd as grnnd
-from conftest import clustered, exact_neighbours
+from conftest import DEVICES, clustered, exact_neighbours
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])]
 
 
 def true_distances(data, queries, ids, metric):

@@ -10,8 +10,8 @@ import torch
 
 import torch_grnnd  # noqa: F401  (registers the ops)
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+from conftest import DEVICES
+
 
 
 def distance(x, a, b):

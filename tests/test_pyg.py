@@ -5,8 +5,8 @@ import torch
 
 from torch_grnnd.pyg import knn, knn_graph, radius, radius_graph
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+from conftest import DEVICES
+
 
 
 def edge_set(edge_index: torch.Tensor) -> set:

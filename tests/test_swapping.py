@@ -9,10 +9,8 @@ import pytest
 import torch
 
 import torch_grnnd as grnnd
-from conftest import clustered, exact_neighbours
+from conftest import DEVICES, clustered, exact_neighbours
 
-needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 N, SHARD, K = 9_000, 2_500, 10  # four shards, the last of 1 500 rows
 
 

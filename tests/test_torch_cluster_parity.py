@@ -12,10 +12,10 @@ import torch
 
 from torch_grnnd import pyg
 
+from conftest import DEVICES
+
 torch_cluster = pytest.importorskip("torch_cluster")
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device")])]
 SIZES = [30, 2, 0, 50, 9, 1]  # an example smaller than k + 1, a skipped index, a lone point
 
 
