@@ -1,6 +1,7 @@
 """An Index (and a Retriever, which holds one) shared by threads: searches running while another
 thread adds, removes and compacts answer as of one state the edits passed through (checked
 against a model of the index's contents), and never raise because of the edits."""
+import sys
 import threading
 import time
 
@@ -97,6 +98,39 @@ def test_searches_during_edits_see_one_state(device, kind):
         restored = grnnd.nn.Retriever()
         restored.load_state_dict(index.state_dict())
         assert torch.equal(restored.search(queries)[1], index.search(queries)[1])
+
+
+def test_retriever_searches_during_many_small_adds_never_raise():
+    # Threads switching every microsecond land searches between an add's publication and the
+    # buffers' catching up: each must still see one state of the index.
+    data = clustered(12_000, 8, 30, seed=44)
+    retriever = grnnd.nn.Retriever(k=3).rebuild(data[:2000], ids=torch.arange(2000))
+    retriever.index.reserve(12_000)
+    stop, errors = threading.Event(), []
+
+    def search_until_stopped():
+        try:
+            while not stop.is_set():
+                retriever.search(data[:4])
+        except Exception as error:  # noqa: BLE001 - any error fails the test below
+            errors.append(error)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    threads = [threading.Thread(target=search_until_stopped) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        n, deadline = 2000, time.monotonic() + 8
+        while time.monotonic() < deadline and n < 12_000:
+            retriever.add(data[n:n + 5], ids=torch.arange(n, n + 5))
+            n += 5
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(switch)
+    assert errors == [] and len(retriever) == n and retriever.data.shape[0] == n
 
 
 def test_a_waiting_edit_goes_before_later_searches():

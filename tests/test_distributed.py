@@ -125,14 +125,22 @@ def worker(rank: int, world: int, init: str, out: str, device: str):
     result["more_search"] = more.search(my_queries, 10, list_size=64)[1].cpu()
     result["more_len"], result["more_rows"] = len(more), len(more.local)
     result["more_ids"] = more.local.ids.cpu()
+    local_rows = more.local.data  # a copy of this rank's run alone, not a view of the saved shard
+    result["more_own_storage"] = local_rows.untyped_storage().nbytes() == local_rows.numel() * local_rows.element_size()
     replicated = grnnd.distributed.ReplicatedIndex(grnnd.Index.build(data.to(device)))
     result["replicated"] = [t.cpu() for t in replicated.search(queries.to(device), 10, list_size=64)]
     # Mismatches: every rank must raise (a hang would time the test out).
     errors = []
+    # A saved shard with one live vector cannot be split over every rank.
+    tiny = grnnd.Index.build(data[:40].to(device))
+    tiny.remove(torch.arange(1, 40, device=device))
+    tiny_states = [{"local": tiny.state_dict(), "offset": 0, "total": 1, "user_ids": True, "rank": 0, "world_size": 1,
+                    "centres": None, "probes": 2, "next_id": 40}]
     for bad in (lambda: grnnd.distributed.knn(mine[:, :DIM - rank % 2], my_queries[:, :DIM - rank % 2], 10),
                 lambda: grnnd.distributed.knn(mine, my_queries, 10 + rank % 2),
                 lambda: grnnd.distributed.knn(mine.double() if rank == 1 else mine, my_queries, 10),
-                lambda: grnnd.distributed.knn(mine, my_queries[:, :4], 10)):
+                lambda: grnnd.distributed.knn(mine, my_queries[:, :4], 10),
+                lambda: grnnd.distributed.ShardedIndex.from_state_dicts(tiny_states)):
         try:
             bad()
             errors.append(None)
@@ -202,7 +210,7 @@ def check(results, world):
     # Restored onto more ranks than saved shards: every live vector on exactly one rank.
     kept = torch.cat([r["more_ids"] for r in results])
     assert kept.numel() == N + world * EXTRA - 2 * world and kept.unique().numel() == kept.numel()
-    assert not bool(torch.isin(kept, gone).any()) and all(r["more_rows"] > 0 for r in results)
+    assert not bool(torch.isin(kept, gone).any()) and all(r["more_rows"] > 0 and r["more_own_storage"] for r in results)
     assert all(r["more_len"] == N + world * EXTRA - 2 * world for r in results)
     more = torch.cat([r["more_search"] for r in results])
     assert not bool(torch.isin(more, gone).any()) and recall(more, truth) >= recall(one, truth) - 0.02
@@ -218,6 +226,7 @@ def check(results, world):
         e = r["errors"]
         assert "disagree on dim" in e[0] and "disagree on k" in e[1] and "disagree on dtype" in e[2]
         assert "queries have 4 columns, the data 16" in e[3]
+        assert "saved shard 0 holds 1 live vectors, fewer than the" in e[4]
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -227,3 +227,32 @@ def test_a_batch_of_small_examples_is_one_segment_search(metric, monkeypatch):
     calls.clear()
     grnnd.knn_graph(x, 8, batch, metric=metric)
     assert not calls
+
+
+def test_retriever_buffers_replaced_win_over_the_index_it_held():
+    # An edit made through retriever.index and not yet seen by the buffers must not undo a
+    # later load_state_dict or dtype change; and state_dict saves the edit.
+    a, b = clustered(2000, 16, 10, seed=41), clustered(3000, 16, 10, seed=42)
+    retriever = grnnd.nn.Retriever(a, k=3)
+    retriever.index.reserve(2500)
+    retriever.load_state_dict(grnnd.nn.Retriever(b, k=3).state_dict())
+    retriever(b[:2])
+    assert retriever.data.shape[0] == 3000 and len(retriever) == 3000
+    retriever.index.reserve(3500)
+    retriever.double()
+    retriever(b[:2].double())
+    assert retriever.data.dtype == torch.float64
+    edited = grnnd.nn.Retriever(a, k=3)
+    edited.index.remove(torch.tensor([0, 1]))
+    restored = grnnd.nn.Retriever()
+    restored.load_state_dict(edited.state_dict())
+    assert len(restored) == 1998 and not torch.isin(restored(a[:5])[1], torch.tensor([0, 1])).any()
+
+
+def test_retriever_search_takes_the_settings_of_the_call():
+    data = clustered(3000, 16, 10, seed=43)
+    retriever = grnnd.nn.Retriever(data, k=3, list_size=16)
+    allowed = torch.arange(3000) % 2 == 1
+    dists, ids = retriever.search(data[:20], 5, list_size=64, filter=allowed)
+    assert ids.shape == (20, 5) and bool((ids % 2 == 1).all())
+    assert torch.equal(retriever.search(data[:20])[1], retriever(data[:20])[1])  # its own settings otherwise

@@ -565,15 +565,27 @@ class ShardedIndex:
         """:meth:`from_state_dicts` onto more ranks than saved shards: this rank's run of the live
         vectors of saved shard rank % S, built into a graph of its own."""
         rank, world, saved = dist.get_rank(group), dist.get_world_size(group), len(states)
-        shard = Index.from_state_dict(states[rank % saved]["local"])
-        sharing = len(range(rank % saved, world, saved))  # ranks that split this saved shard
+        sharing = [len(range(j, world, saved)) for j in range(saved)]  # ranks that split saved shard j
+        # Checked on every rank alike (each holds every state), so all raise or none does.
+        for j, state in enumerate(states):
+            removed = state["local"].get("removed")
+            live = state["local"]["data"].shape[0] - (int(removed.sum()) if isinstance(removed, Tensor) else 0)
+            if live < sharing[j]:
+                raise ValueError(f"states: saved shard {j} holds {live} live vectors, fewer than the {sharing[j]} "
+                                 "ranks that would split it; restore onto fewer ranks")
+        # Without the room it was saved with (reserving it would copy the whole shard here).
+        saved_state = {key: value for key, value in states[rank % saved]["local"].items() if key != "capacity"}
+        shard = Index.from_state_dict(saved_state)
         live = slice(None) if shard.removed is None else ~shard.removed
         rows = shard.data[live]
-        ids = (shard.ids if shard.ids is not None else torch.arange(shard.data.shape[0], device=rows.device))[live]
+        ids = shard.ids if shard.ids is not None else torch.arange(shard.data.shape[0], device=rows.device) + \
+            states[rank % saved]["offset"]
+        ids = ids[live]
         part, n = rank // saved, rows.shape[0]
-        run = slice(part * n // sharing, (part + 1) * n // sharing)
+        run = slice(part * n // sharing[rank % saved], (part + 1) * n // sharing[rank % saved])
         codes = shard.codes.kind if shard.codes is not None else None
-        local = Index.build(rows[run].contiguous(), shard.build_params, metric=shard.metric, ids=ids[run].contiguous(),
+        # Copies of the run alone: the index keeps none of the rest of the saved shard.
+        local = Index.build(rows[run].clone(), shard.build_params, metric=shard.metric, ids=ids[run].clone(),
                             codes=codes)
         index = cls(local, 0, states[0]["total"], group, True)  # split shards' ids no longer follow the ranks
         index.next_id = states[0].get("next_id")

@@ -102,6 +102,7 @@ class Retriever(nn.Module):
         self.next_id: Optional[int] = None  # Index.next_id: where the retriever numbers its rows itself
         self._index: Optional[Index] = None  # the buffers as an Index (see index)
         self._index_version = 0  # its version when the buffers last took its tensors
+        self._installed: Tuple[Tensor, ...] = ()  # the buffer tensors they took then
         self._register_state_dict_hook(_saved_without_room)
         if data is not None:
             self.rebuild(data, progress=progress)
@@ -128,15 +129,19 @@ class Retriever(nn.Module):
                          removed=self._removed(), next_id=self.next_id)
         with _SYNCING:
             index = self._index
-            if index is not None and index.version != self._index_version:  # edited through retriever.index
-                self._take(index)
-            elif index is None or not (index.data is self.data and index.graph is self.graph
-                                       and index.ids is self._ids() and index.removed is self._removed()
-                                       and index.next_id == self.next_id and index.metric == self.metric
-                                       and index.build_params == self.build_params):
+            replaced = index is None or any(a is not b for a, b in zip(self._installed, self._buffer_tensors()))
+            if replaced or index.metric != self.metric or index.build_params != self.build_params:
+                # New buffers or settings (.to(), .half(), load_state_dict): they win over the held index.
                 self._take(Index(self.data, self.graph, self.metric, self.build_params, ids=self._ids(),
                                  removed=self._removed(), next_id=self.next_id))
+            else:
+                with _locks(index)[0].shared():  # not while an edit publishes its fields
+                    if index.version != self._index_version:  # edited through retriever.index
+                        self._take(index)
             return self._index
+
+    def _buffer_tensors(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        return self.data, self.graph, self.ids, self.removed
 
     def _ids(self) -> Optional[Tensor]:
         """The ids buffer as Index.ids: None where empty, unless the retriever numbers its rows
@@ -182,7 +187,18 @@ class Retriever(nn.Module):
             self.removed = index.removed if index.removed is not None else self.removed.new_empty(0)
             self.next_id = index.next_id
             self._index, self._index_version = index, index.version
+            self._installed = self._buffer_tensors()  # what index compares to tell a replacement
         return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # The buffers as of the index's latest edit (one made through retriever.index included),
+        # and not changed by another thread while they are written out.
+        if torch.compiler.is_compiling():
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        with _SYNCING:
+            if self.data.shape[1]:
+                self.index  # noqa: B018  (brings the buffers up to date)
+            super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def forward(self, queries: Tensor, k: Optional[int] = None, *,
                 filter: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
@@ -191,10 +207,14 @@ class Retriever(nn.Module):
             raise RuntimeError("Retriever is empty: call rebuild(embeddings) or load_state_dict(state) first")
         return self.index.search(queries, k, params=self.search_params, filter=filter)
 
-    def search(self, queries: Tensor, k: Optional[int] = None, *,
-               filter: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-        """The same as calling the module (:meth:`forward`), under the name every index uses."""
-        return self(queries, k, filter=filter)
+    def search(self, queries: Tensor, k: Optional[int] = None, *, params: Optional[SearchParams] = None,
+               **settings: Any) -> Tuple[Tensor, Tensor]:
+        """:meth:`forward` under the name every index uses, taking this call's search settings
+        (``params`` instead of the retriever's, ``list_size=...``, ``filter=...``) as
+        :meth:`Index.search` does."""
+        if self.data.shape[1] == 0:
+            raise RuntimeError("Retriever is empty: call rebuild(embeddings) or load_state_dict(state) first")
+        return self.index.search(queries, k, params=self.search_params if params is None else params, **settings)
 
     def __len__(self) -> int:
         """The live rows (removed ones not counted)."""
