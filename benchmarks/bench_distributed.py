@@ -33,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
 from benchmarks.datasets import load_data  # noqa: E402
-from benchmarks.report import machine, machine_line  # noqa: E402
+from benchmarks.report import machine, machine_line, scaling_runs, write_lines  # noqa: E402
 
 K, LIST = 10, 64
 
@@ -109,8 +109,7 @@ def gather_floats(value: float, world: int) -> list:
 def table(paths: list, out: str) -> str:
     """One scaling table from runs of this script on 2, 4, ... GPUs (each against one GPU in its
     own run); returns the path written."""
-    runs = sorted((json.load(open(p)) for p in paths), key=lambda r: r["world"])
-    names = list(dict.fromkeys(r["data"] for r in runs))
+    runs, names = scaling_runs(paths)
     lines = [f"# Scaling of torch_grnnd.distributed against one GPU, {', '.join(names)}", "",
              f"Machine: {machine_line(runs[0]['machine'])}. Each run against one GPU in the same run "
              "(N / W rows for the build and the sharded searches, the replica for the replicated ones).", "",
@@ -124,12 +123,7 @@ def table(paths: list, out: str) -> str:
             f"{r.get('sharded_recall', nan):.4f} | {r.get('partitioned_qps_ratio', nan):.2f}x, "  # runs before it: nan
             f"{r.get('partitioned_recall', nan):.4f} ({r.get('probes')}) | {r['replicated_speedup']:.2f}x / "
             f"{r['replicated_big_speedup']:.2f}x | {r['exact_speedup']:.2f}x |")
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"distributed_{runs[-1]['data']}_table.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return path
+    return write_lines(os.path.join(out, f"distributed_{runs[-1]['data']}_table.md"), lines)
 
 
 def main():

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.report import machine, machine_line  # noqa: E402
+from benchmarks.report import machine, machine_line, scaling_runs, write_lines  # noqa: E402
 
 K = 10
 CHUNK = 1 << 20  # rows made at a time
@@ -191,8 +191,7 @@ def write(r: dict, out: str) -> None:
 def table(paths: list, out: str) -> None:
     """One scaling table from the runs in ``paths`` (1, 2, 4 ... ranks; the same data, or the same rows
     per rank)."""
-    runs = sorted((json.load(open(p)) for p in paths), key=lambda r: r["world"])
-    names = list(dict.fromkeys(r["data"] for r in runs))  # one set, or one a rank count (weak scaling)
+    runs, names = scaling_runs(paths)
     lines = [f"# Scaling of torch_grnnd.distributed, {', '.join(names)}", "",
              f"Machine: {machine_line(runs[0]['machine'])}.", "",
              "| ranks | rows | rows per rank | build s | all shards q/s (recall) | partitioned q/s (recall, probes) | "
@@ -202,11 +201,7 @@ def table(paths: list, out: str) -> None:
                      f"{r['sharded_qps']:,.0f} ({r.get('sharded_recall', float('nan')):.4f}) | "
                      f"{r['partitioned_qps']:,.0f} ({r.get('partitioned_recall', float('nan')):.4f}, {r['probes']}) | "
                      f"{r['one_rank_qps']:,.0f} |")
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"distributed_scale_{runs[-1]['data']}_table.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_lines(os.path.join(out, f"distributed_scale_{runs[-1]['data']}_table.md"), lines)
 
 
 def main():

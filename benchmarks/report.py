@@ -71,6 +71,22 @@ def sized_gpu_run(description: str, default_sizes: str, measure, title: str, ste
     return results, base, [f"# {title}", "", f"Machine: {machine_line(results['machine'])}.", ""]
 
 
+def scaling_runs(paths: list) -> tuple:
+    """``(runs, names)``: the JSON runs of a distributed benchmark by rank count, and the data sets
+    they name (one, or one a rank count where the rows per rank stay the same)."""
+    runs = sorted((json.load(open(p)) for p in paths), key=lambda run: run["world"])
+    return runs, list(dict.fromkeys(run["data"] for run in runs))
+
+
+def write_lines(path: str, lines: list) -> str:
+    """Write a markdown table's lines to ``path`` (its folder made if needed), print them, return the path."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return path
+
+
 def machine_line(m: dict) -> str:
     s = f"{m['cpu']} ({m['cpu_count']} cores), {m['threads']} threads"
     if "gpu" in m:
