@@ -203,16 +203,14 @@ class Retriever(nn.Module):
     def forward(self, queries: Tensor, k: Optional[int] = None, *,
                 filter: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """``(dists [Q, k], ids [Q, k])`` of the nearest indexed rows; see :meth:`Index.search`."""
-        if self.data.shape[1] == 0:  # never indexed (rows all removed and compacted away keep their width)
-            raise RuntimeError("Retriever is empty: call rebuild(embeddings) or load_state_dict(state) first")
-        return self.index.search(queries, k, params=self.search_params, filter=filter)
+        return self.search(queries, k, filter=filter)
 
     def search(self, queries: Tensor, k: Optional[int] = None, *, params: Optional[SearchParams] = None,
                **settings: Any) -> Tuple[Tensor, Tensor]:
-        """:meth:`forward` under the name every index uses, taking this call's search settings
-        (``params`` instead of the retriever's, ``list_size=...``, ``filter=...``) as
-        :meth:`Index.search` does."""
-        if self.data.shape[1] == 0:
+        """What calling the module does (:meth:`forward`), under the name every index uses, taking
+        this call's search settings (``params`` instead of the retriever's, ``list_size=...``,
+        ``filter=...``) as :meth:`Index.search` does."""
+        if self.data.shape[1] == 0:  # never indexed (rows all removed and compacted away keep their width)
             raise RuntimeError("Retriever is empty: call rebuild(embeddings) or load_state_dict(state) first")
         return self.index.search(queries, k, params=self.search_params if params is None else params, **settings)
 
