@@ -6,7 +6,8 @@ By default: one search per query at batch 1 and 1000 (list 64), and a split batc
     ncu -i search.ncu-rep --page details --section WarpStateStats --section SpeedOfLight
 
 With --batch and --list, one search of that batch at that list instead (one search per query
-unless --searches says otherwise), over a graph built with --build's parameters, e.g.
+unless --searches says otherwise; by --codes int8 or int4 if given), over a graph built with
+--build's parameters, e.g.
 
     ncu -k regex:search_kernel --set full -o search python benchmarks/profile_search.py \\
         DIR/embeddings.pt --build update_order=descending --batch 10000 --list 128
@@ -29,12 +30,14 @@ def main():
     p.add_argument("--batch", type=int, default=0, help="profile this batch only")
     p.add_argument("--list", type=int, default=64, help="list_size with --batch")
     p.add_argument("--searches", type=int, default=1, help="searches per query with --batch (0 = automatic)")
+    p.add_argument("--codes", default="", help="search by these codes (int8, int4) with --batch")
     args = p.parse_args()
     blob = torch.load(args.data, map_location="cuda")
     data, queries = blob["base"].contiguous(), blob["queries"].contiguous()
     graph = grnnd.build(data, **parse_settings(args.build))
     if args.batch:
-        grnnd.search(data, graph, queries[:args.batch], 10, list_size=args.list, searches=args.searches)
+        codes = grnnd.encode(data, args.codes) if args.codes else None
+        grnnd.search(data, graph, queries[:args.batch], 10, list_size=args.list, searches=args.searches, codes=codes)
     else:
         for batch in (1, 1000):
             grnnd.search(data, graph, queries[:batch], 10, list_size=64, searches=1)

@@ -45,6 +45,7 @@ def main():
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--lists", default="32,64")
+    p.add_argument("--codes", default="int8", help="the code kind of the coded rows (int8, int4)")
     args = p.parse_args()
     name, x, queries, _ = load_data(args.data, "cuda")
     if name.startswith("clustered"):
@@ -53,7 +54,7 @@ def main():
     queries = queries[:1000].contiguous()
     _, truth = grnnd.knn(x, queries, 10)
     graph = grnnd.build(x)
-    codes = grnnd.encode(x)
+    codes = grnnd.encode(x, args.codes)
     print(f"{name}: {tuple(x.shape)} {x.dtype}, degree {graph.shape[1]}, on {torch.cuda.get_device_name()}")
     lists = [int(v) for v in args.lists.split(",")]
 

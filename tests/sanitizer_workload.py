@@ -19,12 +19,14 @@ def basics(g: torch.Generator):
                                (torch.float32, "l2", 3), (torch.float32, "l2", 1100)]:
         data = torch.randn(1500, dim, generator=g, device="cuda").to(dtype)
         graph = grnnd.build(data, metric=metric, outer_iters=2, inner_iters=2)
-        # Width 1: the warp loop, two candidates a lane at degree 48; width 2: the block loop.
-        for width in (1, 2):
+        # Width 1: the warp loop, two neighbour slots a lane at degree 48; width 4: six a lane;
+        # width 8 (384 slots): the block loop.
+        for width in (1, 4, 8):
             grnnd.search(data, graph, data[:64], 10, list_size=64, search_width=width, metric=metric)
         grnnd.search(data, graph, data.repeat(2, 1), 10, list_size=32, metric=metric)  # 64-thread blocks
         allowed = torch.rand(1500, generator=g, device="cuda") < 0.3
         grnnd.search(data, graph, data[:16], 10, list_size=256, metric=metric, filter=allowed)
+        grnnd.search(data, graph, data[:16], 10, list_size=256, metric=metric)  # eight register rows
         # Split queries (small batches split automatically too): merges of 320 and 800 keys.
         grnnd.search_distance_counts(data, graph, data[:3], 10, list_size=32, searches=32, metric=metric)
         grnnd.search(data, graph, data[:5], 100, list_size=128, searches=8, metric=metric)
@@ -48,7 +50,8 @@ def edge_sizes(g: torch.Generator):
             k = min(n, 10)
             grnnd.search(data, graph, queries, n if n <= 64 else k, list_size=64, searches=1)  # k = N where small
             grnnd.search(data, graph, queries, k, list_size=64, searches=4)  # split, then merged
-            grnnd.search(data, graph, queries, k, list_size=256, search_width=2, searches=1)  # block loop
+            grnnd.search(data, graph, queries, k, list_size=256, search_width=2, searches=1)  # eight rows
+            grnnd.search(data, graph, queries, k, list_size=512, search_width=2, searches=1)  # block loop
             allowed = torch.rand(n, generator=g, device="cuda") < 0.5
             grnnd.search(data, graph, queries, k, list_size=64, filter=allowed)
             grnnd.knn(data, queries, n if n <= 1024 else k)
@@ -219,7 +222,7 @@ def codes(g: torch.Generator):
         graph = grnnd.build(data, metric=metric, outer_iters=1, inner_iters=1)
         coded = grnnd.encode(data, kind, metric=metric)
         grnnd.search(data, graph, data[:70], 10, list_size=32, metric=metric, codes=coded)
-        for width in (1, 2):  # the warp loop; the block loop
+        for width in (1, 4, 8):  # the warp loop (two and six slots a lane); the block loop
             grnnd.search(data, graph, data[:4], 10, list_size=64, search_width=width, metric=metric, codes=coded,
                          searches=1)
         allowed = torch.rand(2000, generator=g, device="cuda") < 0.3
@@ -231,8 +234,9 @@ def codes(g: torch.Generator):
 def small_batches(g: torch.Generator):
     """What a batch of a few queries runs: the direct hub distances and their sort (2 100 hubs: a
     sort of 4 096 keys in several passes; 20 hubs: one warp), then split searches expanding four
-    parents per iteration, by rows and by codes, in the warp loop (degree 16) and the block loop
-    (degree 32). No 16-bit matrix product, so racecheck runs it whole."""
+    parents per iteration, by rows and by codes, in the warp loop (degrees 16 and 32: two and four
+    neighbour slots a lane), and nine parents in the block loop. No 16-bit matrix product, so
+    racecheck runs it whole."""
     wide = torch.randn(2_100_000, 8, generator=g, device="cuda")
     for dtype, metric in [(torch.float32, "l2"), (torch.bfloat16, "cosine"), (torch.float32, "ip")]:
         grnnd.diagnostics.nearest_hubs(wide.to(dtype), wide[:3].to(dtype), 70, metric=metric)
@@ -243,6 +247,7 @@ def small_batches(g: torch.Generator):
         graph = grnnd.build(data, degree=degree, pool_size=32, initial_degree=8, outer_iters=1, inner_iters=2)
         for coded in (None, codes):
             grnnd.search(data, graph, data[:1], 10, list_size=32, codes=coded)
+            grnnd.search(data, graph, data[:1], 10, list_size=32, search_width=9, codes=coded)  # block loop
             grnnd.search(data, graph, data[:5], 10, list_size=64, codes=coded)
             grnnd.search_distance_counts(data, graph, data[:2], 10, list_size=16, codes=coded)
 

@@ -215,13 +215,14 @@ def test_results_do_not_depend_on_the_batch_size(points, graph_for, list_size, s
         assert torch.equal(i, i_all[:batch]) and torch.equal(d, d_all[:batch])
 
 
-@pytest.mark.parametrize("degree, search_width", [(32, 1), (32, 2), (48, 1), (64, 1)])
-@pytest.mark.parametrize("list_size", [16, 24, 48, 64, 96, 128])
+@pytest.mark.parametrize("degree, search_width", [(32, 1), (32, 2), (48, 1), (48, 4), (64, 1), (64, 4)])
+@pytest.mark.parametrize("list_size", [16, 24, 48, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("metric", ["l2", "cosine"])
 def test_warp_iterations_match_the_general_loop(points, graph_for, metric, list_size, degree, search_width):
-    """Without a filter, lists up to 128 and rounds of up to 64 candidates (two a lane) take the
-    warp-level loop (two or four register rows); an all-true filter takes block_iterations. Both
-    walk the same graph in the same order."""
+    """Without a filter, lists up to 256 and rounds of up to 256 neighbour slots (eight a lane;
+    more than 64 only where the blocks fill the GPU, as 1 000 queries do) take the warp-level loop
+    (two, four or eight register rows); an all-true filter takes block_iterations. Both walk the
+    same graph in the same order."""
     data, graph, queries = points[0].cuda(), graph_for(metric, degree).cuda(), points[1].cuda()
     kw = dict(list_size=list_size, metric=metric, searches=1, search_width=search_width)
     warp = grnnd.search(data, graph, queries, K, **kw)

@@ -44,8 +44,9 @@ constexpr uint32_t kExpanded = 0x80000000u;  // flag on list ids (above kIdMask)
 constexpr uint32_t kHashFree = 0xffffffffu;
 constexpr int kMaxSearchWidth = 32;          // = params.h bound; parents live in one warp's ballot
 constexpr int kMaxThreads = 512;
-constexpr int kMaxWarpRows = 4;              // warp_iterations holds lists of up to 4 * 32 keys
-constexpr int kMaxWarpCandRows = 2;          // and rounds of up to 2 * 32 candidates (degree 64)
+constexpr int kMaxWarpRows = 8;              // warp_iterations holds lists of up to 8 * 32 keys
+constexpr int kMaxWarpCandRows = 8;          // and rounds of up to 8 * 32 candidates (width 4, degree 64)
+constexpr int kAnyBatchCandRows = 2;         // rounds up to 2 * 32 take it at any batch, wider ones when blocks share SMs
 // Chunks of a row in flight per lane in warp_iterations' distances (team_visit). The general loop
 // keeps 1: it was not measured with more on its own.
 constexpr int kWarpLoopChunksInFlight = 4;
@@ -100,7 +101,7 @@ struct SearchArgs {
   int result_cap;    // power of two >= k with a filter, else 0
   int cand_cap;      // power of two >= max(M, search_width * degree)
   int hash_bits;
-  int warp_rows;     // 2 or 4: rows of the list in warp 0's registers (warp_iterations); 0: block_iterations
+  int warp_rows;     // 2, 4 or 8: rows of the list in warp 0's registers (warp_iterations); 0: block_iterations
   int search_width;
   int max_iters;
   int entries;       // min(list_size, n) entry points per search, chosen as on the CPU: its
@@ -395,14 +396,23 @@ __device__ void block_iterations(const SearchArgs& a, const T* __restrict__ x, c
 }
 
 // The iterations when one warp can hold the whole list (list_size <= 32 * kMaxWarpRows: ROWS
-// keys per lane) and a round's candidates (search_width * degree <= 32 * kMaxWarpCandRows: up
-// to two per lane, each group of 32 sorted and merged in turn, which keeps the same best keys as
-// one merge of all), without a filter. Warp 0 does everything but the distances in registers:
-// parent choice and expansion with ballots, the sort of the new candidates and their merge into
-// the list with shuffles. An iteration then has two block barriers (candidates published,
-// distances published) instead of about seven, which is what a small batch waits on (ncu:
-// barrier stalls dominate). Same
-// algorithm, same expansions and the same list as block_iterations. Entered after the entry
+// keys per lane) and a round's neighbour slots (search_width * degree <= 32 * kMaxWarpCandRows:
+// up to eight per lane; the candidates that can enter the list are sorted and merged 32 at a
+// time, which keeps the same best keys as one merge of all), without a filter. Warp 0 does
+// everything but the distances in registers: parent choice and expansion with ballots, the sort
+// of the new candidates and their merge into the list with shuffles. An iteration then has two
+// block barriers (candidates published, distances published) instead of about seven, which is
+// what a small batch waits on (ncu: barrier stalls dominate). Same algorithm, same expansions
+// and the same list as block_iterations.
+//
+// Between warp 0's two sections the list rests in list_d/list_i, and each section loads the rows
+// it needs into registers. Held in registers across the distance phase, where every thread of
+// the block needs its own for the loads in flight, the list spilled under the kernel's 64
+// registers (ptxas, sm_90: 156-344 bytes at 4 rows; 0-12 now), which cost a search at list 96
+// (10 000 queries, int4 codes, H200) 30M local-memory requests and 68% more instructions than at
+// list 64 for 32% more distances (ncu). Out of the distance phase, and with lists of 129-256 in
+// eight rows instead of the general loop, batches of 10 000 ran 11-20% faster at lists 96-256
+// and 1-5% at 16-64 (1M x 384 real rows, H200, benchmarks/README.md). Entered after the entry
 // points were merged into list_d/list_i; leaves the final list there, after a __syncthreads.
 template <typename T, int TEAM, int CODE, int ROWS>
 __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, const T* __restrict__ query,
@@ -412,18 +422,15 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
   const int tid = threadIdx.x, lane = tid % kWarpSize;
   const unsigned below = (1u << lane) - 1u;
   const int hash_size = 1 << a.hash_bits, half_table = hash_size / 2;
-  // The list in warp 0's registers: lane l holds positions r * 32 + l.
-  float d[ROWS];
-  uint32_t id[ROWS];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    const int pos = r * kWarpSize + lane;
-    d[r] = tid < kWarpSize && pos < a.list_cap ? list_d[pos] : kInf;
-    id[r] = tid < kWarpSize && pos < a.list_cap ? list_i[pos] : kEmptyId;
-  }
+  // Lane l holds positions r * 32 + l of the list; those past list_cap (a list of 32 in two
+  // rows) have no slot in shared memory and stay empty.
+  const auto in_list = [&](int r) { return r * kWarpSize + lane < a.list_cap; };
   int iter = 0;  // warp 0's count of iterations, as block_iterations counts them
   for (;;) {
     if (tid < kWarpSize) {
+      uint32_t id[ROWS];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) id[r] = in_list(r) ? list_i[r * kWarpSize + lane] : kEmptyId;
       int n = 0;
       bool done = false;
       while (n == 0 && !done) {  // a parent whose neighbours were all seen costs no barrier
@@ -462,24 +469,34 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
           }
           __syncwarp();
         }
-        // Expand: lane j takes neighbour slots j, 32 + j, ... of the round; new ids are packed
-        // in slot order.
-        const int slots = found * a.degree;
-        for (int c = 0; c * kWarpSize < slots; ++c) {  // warp-uniform
+        // Expand: lane j takes neighbour slots j, 32 + j, ... of the round, all loaded before
+        // the first is looked up (one trip to memory per round, not one per 32 slots); new ids
+        // are packed in slot order.
+        const int slots = found * a.degree;  // <= 32 * kMaxWarpCandRows (host)
+        int32_t v[kMaxWarpCandRows];
+#pragma unroll
+        for (int c = 0; c < kMaxWarpCandRows; ++c) {
           const int slot = c * kWarpSize + lane;
-          bool fresh = false;
-          uint32_t u = 0u;
+          v[c] = -1;
           if (slot < slots) {
             const int p = slot / a.degree, j = slot - p * a.degree;
-            const int32_t v = __ldg(a.graph + static_cast<int64_t>(s.parents[p] & kIdMask) * a.degree + j);
-            u = static_cast<uint32_t>(v);
-            fresh = v >= 0 && v < a.n && hash_insert(table, a.hash_bits, u, &s.hash_count);
+            v[c] = __ldg(a.graph + static_cast<int64_t>(s.parents[p] & kIdMask) * a.degree + j);
           }
+        }
+#pragma unroll
+        for (int c = 0; c < kMaxWarpCandRows; ++c) {
+          if (c * kWarpSize >= slots) break;  // warp-uniform
+          const uint32_t u = static_cast<uint32_t>(v[c]);
+          const bool fresh = v[c] >= 0 && v[c] < a.n && hash_insert(table, a.hash_bits, u, &s.hash_count);
           const unsigned bits = __ballot_sync(kFullMask, fresh);
           if (fresh) cand_i[n + __popc(bits & below)] = u;
           n += __popc(bits);
         }
         __syncwarp();  // every lane has read s.parents before the next round may rewrite them
+      }
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        if (in_list(r)) list_i[r * kWarpSize + lane] = id[r];  // the expanded flags
       }
       if (lane == 0) {
         s.n_cand = n;
@@ -487,7 +504,7 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
         if (!done) s.evaluated += n;  // thread 0 alone writes and reads it
       }
     }
-    __syncthreads();  // candidates published
+    __syncthreads();  // candidates (and the list) published
     if (s.done) break;  // block-uniform
     const int n = s.n_cand;
     compute_distances<T, TEAM, CODE, kWarpLoopChunksInFlight>(a, x, query, cq, n, cand_d, cand_i);
@@ -496,18 +513,9 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
       // Only a candidate before the list's last kept key can enter the list; the others are
       // dropped before the sort, and a round none of whose candidates can enter (most rounds
       // late in a search) costs no sort and no merge. The survivors move to the front of cand.
-      const int last = a.list_size - 1;
-      float worst_d = kInf;
-      uint32_t worst_i = kEmptyId;
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        if (r == last / kWarpSize) {
-          worst_d = d[r];
-          worst_i = id[r];
-        }
-      }
-      worst_d = __shfl_sync(kFullMask, worst_d, last % kWarpSize);
-      worst_i = __shfl_sync(kFullMask, worst_i, last % kWarpSize);
+      const int last = a.list_size - 1;  // < list_cap
+      const float worst_d = list_d[last];
+      const uint32_t worst_i = list_i[last];
       int entering = 0;
       for (int c = 0; c * kWarpSize < n; ++c) {  // warp-uniform
         const int at = c * kWarpSize + lane;
@@ -523,26 +531,33 @@ __device__ void warp_iterations(const SearchArgs& a, const T* __restrict__ x, co
         entering += __popc(bits);
         __syncwarp();
       }
-      for (int c = 0; c * kWarpSize < entering; ++c) {  // warp-uniform
-        const int at = c * kWarpSize + lane;
-        float cd = at < entering ? cand_d[at] : kInf;
-        uint32_t ci = at < entering ? cand_i[at] : kEmptyId;
-        warp_sort32(cd, ci);
-        warp_merge<ROWS>(d, id, cd, ci, a.list_size);
-      }
-    }
-  }
-  if (tid < kWarpSize) {
+      if (entering > 0) {  // warp-uniform
+        float d[ROWS];
+        uint32_t id[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const int pos = r * kWarpSize + lane;
-      if (pos < a.list_cap) {
-        list_d[pos] = d[r];
-        list_i[pos] = id[r];
+        for (int r = 0; r < ROWS; ++r) {
+          d[r] = in_list(r) ? list_d[r * kWarpSize + lane] : kInf;
+          id[r] = in_list(r) ? list_i[r * kWarpSize + lane] : kEmptyId;
+        }
+        for (int c = 0; c * kWarpSize < entering; ++c) {  // warp-uniform
+          const int at = c * kWarpSize + lane;
+          float cd = at < entering ? cand_d[at] : kInf;
+          uint32_t ci = at < entering ? cand_i[at] : kEmptyId;
+          warp_sort32(cd, ci);
+          warp_merge<ROWS>(d, id, cd, ci, a.list_size);
+        }
+        __syncwarp();  // every lane has read the list before any lane rewrites it
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          if (in_list(r)) {
+            list_d[r * kWarpSize + lane] = d[r];
+            list_i[r * kWarpSize + lane] = id[r];
+          }
+        }
       }
+      __syncwarp();  // the list is visible to every lane of warp 0 before the next parents
     }
   }
-  __syncthreads();
 }
 
 // With codes, each block turns its query into the code terms (codes.h) in shared memory: warp 0
@@ -806,6 +821,7 @@ template <typename T, int TEAM, int CODE>
 void launch(const T* x, const at::Tensor& q, const SearchArgs& a, int threads, size_t smem, cudaStream_t stream) {
   auto kernel = a.warp_rows == 2   ? warp_search_kernel<T, TEAM, CODE, 2>
                 : a.warp_rows == 4 ? warp_search_kernel<T, TEAM, CODE, 4>
+                : a.warp_rows == 8 ? warp_search_kernel<T, TEAM, CODE, 8>
                                    : search_kernel<T, TEAM, CODE>;
   if (smem + kStaticShared > 48 * 1024) {
     // Above the default 48 KiB (static + dynamic) the kernel must opt in; a host-side
@@ -1005,8 +1021,16 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   a.cand_cap = std::max(a.list_cap, next_pow2(static_cast<int>(per_round)));
   a.search_width = width;
   a.max_iters = p.max_iters;
+  // Rounds wider than two slots a lane take the warp loop only when there are at least as many
+  // blocks as SMs. Measured with every such round in the warp loop (H200, 1M x 384 real rows,
+  // width 4): a batch of 10 (320 blocks) ran 8-10% faster than in the block loop and a batch of
+  // 100 (100 blocks) 11-13%, but a batch of 1 (32 blocks) 8% slower, 0.207 -> 0.227 ms. Why the
+  // batch of 1 loses is not known (its 32 searches keep lists of 16); until it is, only the
+  // measured gain with blocks >= SMs is taken, and the batch of 100 keeps the block loop.
+  const int64_t blocks = nq * a.searches;
   const bool warp_fits = !filter.has_value() && a.list_cap <= kMaxWarpRows * kWarpSize &&
-                         per_round <= kMaxWarpCandRows * kWarpSize;
+                         per_round <= kMaxWarpCandRows * kWarpSize &&
+                         (per_round <= kAnyBatchCandRows * kWarpSize || blocks >= sms);
   // Two rows at least: a one-row variant spilled registers (ptxas, sm_90) and would add a kernel
   // per storage type and team for lists of at most 32.
   a.warp_rows = warp_fits ? std::max(2, a.list_cap / kWarpSize) : 0;  // list_cap is a power of two
