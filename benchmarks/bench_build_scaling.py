@@ -1,7 +1,7 @@
 """How the CUDA build's time and memory grow with N and D, on one GPU.
 
-    python benchmarks/bench_build_scaling.py --out DIR
-    python benchmarks/bench_build_scaling.py --sizes 100000x384,1000000x384 --out DIR
+    python -m benchmarks.bench_build_scaling --out DIR
+    python -m benchmarks.bench_build_scaling --sizes 100000x384,1000000x384 --out DIR
 
 For each N x D: clustered float16 rows (N / 1000 clusters, benchmarks/bench_gpu.py's generator,
 made on the GPU), a warm-up build on the first 100k rows, then the build timed with CUDA events;
@@ -10,16 +10,13 @@ and the recall@10 of 1000 held-out queries searched at list 64, against exact re
 torch_grnnd.knn (exact; checked against faiss-cpu in tests/test_knn.py). Writes
 gpu_build_scaling.{json,md} under --out.
 """
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.common import cuda_time  # noqa: E402
-from benchmarks.datasets import load_data  # noqa: E402
-from benchmarks.report import sized_gpu_run  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.common import cuda_time
+from benchmarks.datasets import load_data
+from benchmarks.report import sized_gpu_run
 
 POOL_SIZE = 48  # the build's default R, for the memory bound
 

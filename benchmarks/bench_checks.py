@@ -1,6 +1,6 @@
 """What the content checks of the CUDA search cost, next to the search itself (same run, one GPU).
 
-    python benchmarks/bench_checks.py --n 1000000 --dim 384 --out DIR
+    python -m benchmarks.bench_checks --n 1000000 --dim 384 --out DIR
 
 The search checks its inputs' values (csrc/checks.cpp, csrc/cuda/search_cuda.cu):
   - on every call, that the queries are finite: a fill of one int64, one kernel over the queries
@@ -18,14 +18,12 @@ Writes checks_<n>k-d<dim>.json and .md under --out.
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.report import machine  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.report import machine
 
 
 def wall_ms(fn, repeat: int) -> float:

@@ -2,7 +2,7 @@
 """Searches by 8-bit codes with rows on the GPU or in pinned host memory, against the same
 searches by the rows, in one run on one graph.
 
-    python benchmarks/bench_codes_host.py > benchmarks/results/codes_host_rows_<gpu>.txt
+    python -m benchmarks.bench_codes_host > benchmarks/results/codes_host_rows_<gpu>.txt
 
 Clustered float16 rows as bench_scale.py makes them ("blobs", 2M x 1024 by default), 10 000
 queries, recall@10 against grnnd.knn. Four ways at each (batch, list): rows on the GPU; the same
@@ -12,15 +12,12 @@ codes on the GPU, where only the final list's rows cross the bus. Queries/s are 
 the first min(10 000, 20 batches) queries after one warm-up batch.
 """
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.datasets import make_set  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.datasets import make_set
 
 
 def main():

@@ -6,9 +6,9 @@ threads (torch.set_num_threads == faiss.omp_set_num_threads). Builds and each po
 search sweeps are interleaved across methods, so background load hits every method alike;
 each search point is the best of --reps timed batches of all queries (one batch = all queries).
 
-    python3 benchmarks/bench_cpu.py --data .data/text100k.pt --threads 2
-    python3 benchmarks/bench_cpu.py --data clustered:n=20000,d=64,clusters=100,queries=500
-    python3 benchmarks/bench_cpu.py --data .data/text100k.pt:n=30000 --ours "" pool_size=32
+    python3 -m benchmarks.bench_cpu --data .data/text100k.pt --threads 2
+    python3 -m benchmarks.bench_cpu --data clustered:n=20000,d=64,clusters=100,queries=500
+    python3 -m benchmarks.bench_cpu --data .data/text100k.pt:n=30000 --ours "" pool_size=32
 
 Writes --out/cpu_<data>_t<threads>.{json,md,png} (default benchmarks/results/).
 """
@@ -20,11 +20,10 @@ import time
 import faiss
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks import datasets, report  # noqa: E402
-from benchmarks.baselines import FaissHNSW, FaissNNDescent  # noqa: E402
-from benchmarks.common import parse_settings  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks import datasets, report
+from benchmarks.baselines import FaissHNSW, FaissNNDescent
+from benchmarks.common import parse_settings
 
 SWEEP = [10, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
 K = 10

@@ -1,6 +1,6 @@
 """torch_grnnd.distributed on several GPUs against one GPU, same run.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmarks/bench_distributed.py \\
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 -m benchmarks.bench_distributed \\
         --data clustered:n=10000000,d=384,clusters=10000,queries=10000
 
 Every rank makes the same data (``--data`` as benchmarks/bench_gpu.py reads it, all N rows) and
@@ -24,16 +24,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.datasets import load_data  # noqa: E402
-from benchmarks.report import machine, machine_line, scaling_runs, write_lines  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.datasets import load_data
+from benchmarks.report import machine, machine_line, scaling_runs, write_lines
 
 K, LIST = 10, 64
 
@@ -216,7 +214,7 @@ def main():
         nq = queries.shape[0]
         lines = [f"# torch_grnnd.distributed, {name} ({n:,} x {r['dim']}), {world} GPUs", "",
                  f"Machine: {machine_line(r['machine'])}. {nq:,} queries, recall@10 at list {LIST}; "
-                 f"`torchrun --nproc_per_node={world} benchmarks/bench_distributed.py`.", "",
+                 f"`torchrun --nproc_per_node={world} -m benchmarks.bench_distributed`.", "",
                  "| | {0} GPUs | one GPU | ratio |".format(world), "|---|---|---|---|",
                  f"| build | {n:,} rows: {r['sharded_build_s']:.2f} s | {n // world:,} rows: "
                  f"{r['one_gpu_build_s']:.2f} s | {r['build_ratio']:.2f}x the time |",

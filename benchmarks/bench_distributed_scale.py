@@ -1,8 +1,8 @@
 """torch_grnnd.distributed at a scale no single GPU holds: each rank makes only its own rows.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=4 benchmarks/bench_distributed_scale.py \\
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=4 -m benchmarks.bench_distributed_scale \\
         --data clustered:n=100000000,d=1024,clusters=100000,queries=10000 --out DIR
-    python benchmarks/bench_distributed_scale.py --table DIR/distributed_scale_*.json   # 1/2/4 GPUs
+    python -m benchmarks.bench_distributed_scale --table DIR/distributed_scale_*.json   # 1/2/4 GPUs
 
 The data: clustered blobs (centres spread by 3, unit noise, float16). The centres and the
 queries come from one seed on every rank; each rank draws its own share of the rows from a seed
@@ -23,15 +23,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.report import machine, machine_line, scaling_runs, write_lines  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.report import machine, machine_line, scaling_runs, write_lines
 
 K = 10
 CHUNK = 1 << 20  # rows made at a time

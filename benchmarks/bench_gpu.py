@@ -1,9 +1,9 @@
 """GPU build and search benchmark on one CUDA device, with plain-PyTorch baselines in the same run.
 
-    python benchmarks/bench_gpu.py --data clustered:n=1000000,d=128,clusters=1000,queries=10000 --out DIR
-    python benchmarks/bench_gpu.py --data .data/text/embeddings.pt --ablation --out DIR
-    python benchmarks/bench_gpu.py --data .data/text/embeddings.pt:pca=128 --small-batches --out DIR
-    python benchmarks/bench_gpu.py --data zipf:2000000x128 --out DIR
+    python -m benchmarks.bench_gpu --data clustered:n=1000000,d=128,clusters=1000,queries=10000 --out DIR
+    python -m benchmarks.bench_gpu --data .data/text/embeddings.pt --ablation --out DIR
+    python -m benchmarks.bench_gpu --data .data/text/embeddings.pt:pca=128 --small-batches --out DIR
+    python -m benchmarks.bench_gpu --data zipf:2000000x128 --out DIR
 
 --data: clustered blobs (``clustered:n=,d=,clusters=,queries=``), one of bench_scale.py's families
 made on the GPU with 10 000 queries (``blobs:NxD``, ``zipf:NxD``, ``aniso:NxD``), or a file of
@@ -33,17 +33,15 @@ Writes gpu_<data>.{json,md,png} under --out.
 """
 import argparse
 import json
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.common import brute_force, cuda_time, exact_knn_graph, parse_settings  # noqa: E402
-from benchmarks.datasets import load_data  # noqa: E402
-from benchmarks.report import machine, regression_table, regressions, write  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.common import brute_force, cuda_time, exact_knn_graph, parse_settings
+from benchmarks.datasets import load_data
+from benchmarks.report import machine, regression_table, regressions, write
 
 
 def bytes_per_query(base, dists_per_query: float, list_size: int, codes=None) -> float:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Searching rows that stay in host memory: read through unified addressing, or shard by shard.
 
-    python benchmarks/bench_host_search.py --sets blobs:10000000x1024 --budget 8GB
-    python benchmarks/bench_host_search.py --sets blobs:10000000x128 --budget 1GB --name d128
+    python -m benchmarks.bench_host_search --sets blobs:10000000x1024 --budget 8GB
+    python -m benchmarks.bench_host_search --sets blobs:10000000x128 --budget 1GB --name d128
 
 Clustered float16 rows as bench_scale.py makes them, one graph built in memory. Three ways to
 search them, each at batches of 100, 1 000 and 10 000 queries (the first min(Q, 20 batches) of
@@ -21,7 +21,6 @@ against exact neighbours (grnnd.knn). Writes host_search_<gpu>[_<name>].{json,md
 """
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Tuple
@@ -29,10 +28,9 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.datasets import make_set, parse_sets  # noqa: E402
-from benchmarks.report import gpu_result_stem, machine, machine_line  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.datasets import make_set, parse_sets
+from benchmarks.report import gpu_result_stem, machine, machine_line
 
 K = 10
 BATCHES = (100, 1000, 10000)
@@ -103,7 +101,7 @@ def main():
     with open(stem + ".json", "w") as f:
         json.dump({"machine": m, "sets": sets}, f, indent=1)
     lines = [f"# Search over rows in host memory, {torch.cuda.get_device_name()}", "",
-             f"Machine: {machine_line(m)}. `python benchmarks/bench_host_search.py {' '.join(sys.argv[1:])}`; "
+             f"Machine: {machine_line(m)}. `python -m benchmarks.bench_host_search {' '.join(sys.argv[1:])}`; "
              "float16 clustered rows; queries/s (wall clock, copies included, median of 3 passes) and recall@10 "
              "against exact neighbours. gpu: rows on the GPU; unified: rows in pinned host memory read by the "
              "search kernel; shards: a graph per shard of the budget, shards copied in turn (GGNN's "

@@ -1,8 +1,8 @@
 """Nearest hubs, as the build's cells need them, on one GPU: the fused product against the
 score matrix.
 
-    python benchmarks/bench_hubs.py --out DIR
-    python benchmarks/bench_hubs.py --sizes 10000000x128,4000000x384 --out DIR
+    python -m benchmarks.bench_hubs --out DIR
+    python -m benchmarks.bench_hubs --sizes 10000000x128,4000000x384 --out DIR
 
 For each N x D: N random float16 rows, and for every row its nearest hubs among the N / 1000 of
 the build (torch_grnnd.diagnostics.nearest_hubs with the rows as queries). Two hubs, as the
@@ -13,15 +13,12 @@ PyTorch: float32 scores by torch.mm in chunks of 2^26 and topk. Each is timed wi
 after a first untimed call; "agree" is the share of rows whose two nearest hubs the fused product
 and the baseline choose alike. Writes gpu_hubs.{json,md} under --out.
 """
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.common import cuda_time  # noqa: E402
-from benchmarks.report import sized_gpu_run  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.common import cuda_time
+from benchmarks.report import sized_gpu_run
 
 
 def plain_torch(x: torch.Tensor, hubs: torch.Tensor, k: int) -> torch.Tensor:
@@ -55,7 +52,7 @@ def main():
     rows = results["rows"]
     lines += ["Random float16 rows, each row's nearest of the N / 1000 hubs: two through the fused product "
               "(D <= 512), three through grnnd's score matrix, two by plain PyTorch (torch.mm, topk); "
-              "`python benchmarks/bench_hubs.py`.", "",
+              "`python -m benchmarks.bench_hubs`.", "",
               "| N | D | hubs | grnnd, two nearest s | grnnd, three nearest s | plain PyTorch, two s | same two hubs |",
               "|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['n']:,} | {r['d']} | {r['hubs']:,} | {r['two_s']:.3f} | {r['three_s']:.3f} | "

@@ -1,7 +1,7 @@
 """Exact knn and all-points knn_graph on one CUDA device, against plain PyTorch in the same run.
 
-    python benchmarks/bench_knn_gpu.py --data .data/text/embeddings.pt --out DIR
-    python benchmarks/bench_knn_gpu.py --data clustered:n=1000000,d=384,clusters=1000,queries=10000
+    python -m benchmarks.bench_knn_gpu --data .data/text/embeddings.pt --out DIR
+    python -m benchmarks.bench_knn_gpu --data clustered:n=1000000,d=384,clusters=1000,queries=10000
 
 Measures (CUDA events, after a warm-up; extension compile excluded):
   - knn, k = 10, all queries in one call, float32 and float16 storage, against plain-PyTorch brute
@@ -13,16 +13,13 @@ Measures (CUDA events, after a warm-up; extension compile excluded):
 Writes gpu_knn_<data>.{json,md,png} under --out.
 """
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.common import brute_force, cuda_time, exact_knn_graph  # noqa: E402
-from benchmarks.datasets import load_data  # noqa: E402
-from benchmarks.report import machine, write  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.common import brute_force, cuda_time, exact_knn_graph
+from benchmarks.datasets import load_data
+from benchmarks.report import machine, write
 
 
 def main():

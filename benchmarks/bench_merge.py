@@ -1,8 +1,8 @@
 """grnnd.merge of two built halves against a fresh build of the whole set, same run.
 
-    python benchmarks/bench_merge.py --data clustered:n=10000000,d=128,clusters=10000,queries=10000
-    python benchmarks/bench_merge.py --data aniso:2000000x96 --settings "inner_iters=6;update_order=ascending"
-    python benchmarks/bench_merge.py --device cpu --data clustered:n=40000,d=32,clusters=40,queries=1000
+    python -m benchmarks.bench_merge --data clustered:n=10000000,d=128,clusters=10000,queries=10000
+    python -m benchmarks.bench_merge --data aniso:2000000x96 --settings "inner_iters=6;update_order=ascending"
+    python -m benchmarks.bench_merge --device cpu --data clustered:n=40000,d=32,clusters=40,queries=1000
 
 Data as benchmarks/bench_gpu.py loads it. recall@10 at list 64 against exact neighbours
 (grnnd.knn); times are CUDA events on a GPU (each of one call, after the untimed build of the
@@ -13,14 +13,12 @@ under --out.
 """
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.common import K, LIST, parse_settings, recall, setup, timed  # noqa: E402
-from benchmarks.report import machine, machine_line  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.common import K, LIST, parse_settings, recall, setup, timed
+from benchmarks.report import machine, machine_line
 
 
 def main():

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """A build from host rows within a GPU memory budget against the in-memory build, same run.
 
-    python benchmarks/bench_out_of_core.py --sets blobs:10000000x1024 --budget 8GB --seeds 0,1,2
-    python benchmarks/bench_out_of_core.py --sets blobs:2000000x128,zipf:2000000x384 --budget 1GB
-    python benchmarks/bench_out_of_core.py --sets blobs:100000000x96 --budget free --skip-in-memory \
+    python -m benchmarks.bench_out_of_core --sets blobs:10000000x1024 --budget 8GB --seeds 0,1,2
+    python -m benchmarks.bench_out_of_core --sets blobs:2000000x128,zipf:2000000x384 --budget 1GB
+    python -m benchmarks.bench_out_of_core --sets blobs:100000000x96 --budget free --skip-in-memory \
         --name 100m
 
 Float16 rows as bench_scale.py makes them (blobs, zipf, aniso), moved to pinned host memory
@@ -30,11 +30,10 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from torch_grnnd import out_of_core  # noqa: E402
-from benchmarks.datasets import make_set, parse_sets  # noqa: E402
-from benchmarks.report import gpu_result_stem, machine, machine_line  # noqa: E402
+import torch_grnnd as grnnd
+from torch_grnnd import out_of_core
+from benchmarks.datasets import make_set, parse_sets
+from benchmarks.report import gpu_result_stem, machine, machine_line
 
 K, LIST = 10, 64
 SOURCES = {"pinned": "in pinned host memory", "npy": "in a memory-mapped .npy file (in the page cache)"}
@@ -157,7 +156,7 @@ def main():
     with open(stem + ".json", "w") as f:
         json.dump({"machine": m, "rows": rows}, f, indent=1)
     lines = [f"# Out-of-core build against the in-memory build, {torch.cuda.get_device_name()}", "",
-             f"Machine: {machine_line(m)}. `python benchmarks/bench_out_of_core.py {' '.join(sys.argv[1:])}`; "
+             f"Machine: {machine_line(m)}. `python -m benchmarks.bench_out_of_core {' '.join(sys.argv[1:])}`; "
              f"float16 rows (bench_scale.py's families) {SOURCES[args.source]}; recall@10 at list {LIST} "
              f"(GPU search, {args.queries} queries, exact neighbours from grnnd.knn).", "",
              "| set | seed | budget | in-memory s | recall | out-of-core s (plan + shards, joins) | ratio (x) | recall | "

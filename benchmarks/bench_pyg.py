@@ -1,6 +1,6 @@
 """k-NN graphs of batched point clouds: torch_grnnd.pyg against plain batched torch.cdist + topk.
 
-    python benchmarks/bench_pyg.py --out DIR
+    python -m benchmarks.bench_pyg --out DIR
 
 The workloads of PyTorch Geometric's k-NN-graph layers (DGCNN's DynamicEdgeConv and friends):
 many small clouds in one batch. For each: the median of 10 timed calls after a warm-up (CUDA
@@ -20,14 +20,12 @@ installed. Writes pyg_<gpu>.json and .md under --out.
 import argparse
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import median_ms  # noqa: E402
-from benchmarks.report import machine  # noqa: E402
-from torch_grnnd.pyg import knn_graph  # noqa: E402
+from benchmarks.common import median_ms
+from benchmarks.report import machine
+from torch_grnnd.pyg import knn_graph
 
 WORKLOADS = [  # clouds, points per cloud, dim, k
     (32, 1024, 3, 20),
@@ -150,7 +148,7 @@ def main():
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(result, f, indent=1)
     lines = [f"# k-NN graphs of batched point clouds, {torch.cuda.get_device_name()}", "",
-             "Median of 10 calls (3 for approximate), CUDA events; `python benchmarks/bench_pyg.py`.", "",
+             "Median of 10 calls (3 for approximate), CUDA events; `python -m benchmarks.bench_pyg`.", "",
              "| clouds x points, d, k | torch cdist + topk ms | grnnd exact ms | speed-up | exact = torch edges "
              "| grnnd approximate ms (recall) | torch_cluster ms | vs torch_cluster | exact = torch_cluster edges "
              "| op: scan ms | op: grid ms |",

@@ -1,7 +1,7 @@
 """Whether build quality holds as N grows: 100k to 10M rows, several data shapes, on one GPU.
 
-    python benchmarks/bench_scale.py --out DIR
-    python benchmarks/bench_scale.py --sets blobs:4000000x384,zipf:1000000x384 \\
+    python -m benchmarks.bench_scale --out DIR
+    python -m benchmarks.bench_scale --sets blobs:4000000x384,zipf:1000000x384 \\
         --builds "" "start=random,delta=0,outer_iters=3,inner_iters=6" --out DIR
 
 Data families (made by benchmarks/datasets.py), on the GPU in float16, with 1000 held-out queries
@@ -35,17 +35,15 @@ per family, both query sets, with faiss HNSW where --hnsw asked for it).
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.common import cuda_time, parse_settings  # noqa: E402
-from benchmarks.datasets import make_rare_queries, make_set, parse_sets  # noqa: E402
-from benchmarks.report import machine, machine_line  # noqa: E402
-from torch_grnnd.params import BuildParams  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.common import cuda_time, parse_settings
+from benchmarks.datasets import make_rare_queries, make_set, parse_sets
+from benchmarks.report import machine, machine_line
+from torch_grnnd.params import BuildParams
 
 LISTS = (32, 64, 128)  # list sizes measured by default; 64 is the one the PNG and the issue compare
 

@@ -1,8 +1,8 @@
 """An index that grows and shrinks: Index.add / remove / compact against fresh builds, same run.
 
-    python benchmarks/bench_update.py --data DIR/embeddings.pt --out DIR            # GPU
-    python benchmarks/bench_update.py --data clustered:n=1000000,d=384,clusters=1000,queries=10000
-    python benchmarks/bench_update.py --device cpu --data clustered:n=20000,d=48,clusters=20,queries=1000
+    python -m benchmarks.bench_update --data DIR/embeddings.pt --out DIR            # GPU
+    python -m benchmarks.bench_update --data clustered:n=1000000,d=384,clusters=1000,queries=10000
+    python -m benchmarks.bench_update --device cpu --data clustered:n=20000,d=48,clusters=20,queries=1000
 
 Data as benchmarks/bench_gpu.py loads it (a text_embeddings.py file, or clustered blobs made on
 the device). Four scenarios (--scenarios runs some of them), each against a fresh build of the
@@ -22,14 +22,12 @@ when not all of them ran).
 """
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.common import K, LIST, recall, setup, timed  # noqa: E402
-from benchmarks.report import machine, machine_line  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.common import K, LIST, recall, setup, timed
+from benchmarks.report import machine, machine_line
 
 
 def truth_over(rows: torch.Tensor, ids: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 # tests/test_torch_cluster_parity.py on a machine without a torch_cluster wheel for its torch:
 #
 #     bash benchmarks/build_torch_cluster.sh torch_cluster-1.6.3.tar.gz [DIR]
-#     PYTHONPATH=DIR/pkg python benchmarks/bench_pyg.py
+#     PYTHONPATH=DIR/pkg python -m benchmarks.bench_pyg
 #
 # The argument is torch_cluster's source release from PyPI. Its own setup.py compiles 18
 # extensions one after another (it had not finished after ten minutes on the GPU machine); these two, with ninja,

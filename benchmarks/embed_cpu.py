@@ -8,7 +8,7 @@ are slow. The last ``--queries`` of the N texts become the queries, the rest the
 Output: {"base": f16 [N-Q,384], "queries": f16 [Q,384], "gt": int32 [Q,100]} (exact L2 top-100,
 which equals the cosine top-100 on normalised vectors), the format benchmarks/datasets.py loads.
 
-    nohup python3 benchmarks/embed_cpu.py --texts 101000 --queries 1000 \
+    nohup python3 -m benchmarks.embed_cpu --texts 101000 --queries 1000 \
         --out .data/text100k.pt > .data/embed100k.log 2>&1 &
 """
 import argparse, lzma, os, time

@@ -1,8 +1,8 @@
 """The build's update kernel under ncu: a warm-up build, then the profiled one, on saved rows.
 
-    python benchmarks/profile_build.py DIR/embeddings.pt [name=value ...]     # prints the rounds
+    python -m benchmarks.profile_build DIR/embeddings.pt [name=value ...]     # prints the rounds
     ncu -k regex:update_kernel --launch-skip R --launch-count 1 --set full -o build \\
-        python benchmarks/profile_build.py DIR/embeddings.pt [name=value ...]
+        python -m benchmarks.profile_build DIR/embeddings.pt [name=value ...]
     ncu -i build.ncu-rep --page details --section WarpStateStats --section SpeedOfLight
 
 The first build is the warm-up. How many update rounds it launches depends on when its rounds
@@ -11,14 +11,12 @@ the first round of the second build, ``R + r`` on its round r + 1. Build setting
 BuildParams, ``name=value``) follow the path and apply to both builds.
 """
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.common import parse_settings  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.common import parse_settings
 
 
 def main():

@@ -1,23 +1,20 @@
 """Where the time of one torch_grnnd.pyg.knn_graph call goes, on the GPU.
 
-    python benchmarks/profile_pyg.py [--clouds 32 --points 1024 --dims 3 64 --k 20]
+    python -m benchmarks.profile_pyg [--clouds 32 --points 1024 --dims 3 64 --k 20]
 
 For each dimension: the median time of the whole call and of the knn_segments op alone (CUDA
 events, as benchmarks/bench_pyg.py times them), then torch.profiler's table of one call: the
 host time of each op and the kernels it launched. The difference between the two medians is
 the wrapper's share. For the kernels themselves use ncu, e.g.
 
-    ncu -k regex:knn_segments --set full -o pyg python benchmarks/profile_pyg.py --dims 64
+    ncu -k regex:knn_segments --set full -o pyg python -m benchmarks.profile_pyg --dims 64
 """
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import median_ms  # noqa: E402
-from torch_grnnd.pyg import knn_graph  # noqa: E402
+from benchmarks.common import median_ms
+from torch_grnnd.pyg import knn_graph
 
 
 def main():

@@ -2,25 +2,22 @@
 
 By default: one search per query at batch 1 and 1000 (list 64), and a split batch of 1 (list 16).
 
-    ncu -k regex:search_kernel --set full -o search python benchmarks/profile_search.py DIR/embeddings.pt
+    ncu -k regex:search_kernel --set full -o search python -m benchmarks.profile_search DIR/embeddings.pt
     ncu -i search.ncu-rep --page details --section WarpStateStats --section SpeedOfLight
 
 With --batch and --list, one search of that batch at that list instead (one search per query
 unless --searches says otherwise; by --codes int8 or int4 if given), over a graph built with
 --build's parameters, e.g.
 
-    ncu -k regex:search_kernel --set full -o search python benchmarks/profile_search.py \\
+    ncu -k regex:search_kernel --set full -o search python -m benchmarks.profile_search \\
         DIR/embeddings.pt --build update_order=descending --batch 10000 --list 128
 """
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.common import parse_settings  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.common import parse_settings
 
 
 def main():

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a small batch spends its time, and which split of the search serves it best.
 
-    python benchmarks/profile_small_batches.py [--data SPEC] [--sweep] [--profile] > profile.txt
+    python -m benchmarks.profile_small_batches [--data SPEC] [--sweep] [--profile] > profile.txt
 
 --data: as bench_gpu.py's (default: 1M x 384 normalised clustered float16 rows, 1 000 clusters).
 Default build. Each timing: 20 calls of warm-up, then back-to-back calls from Python, each on its
@@ -14,16 +14,13 @@ recall@10 against exact neighbours over those 1 000 queries.
   - with --profile: torch.profiler's kernel and host tables for 50 calls of one query.
 """
 import argparse
-import os
-import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.datasets import load_data  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.datasets import load_data
 
 
 def per_call(run, queries, batch, calls=200):

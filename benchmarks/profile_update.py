@@ -1,6 +1,6 @@
 """Where the time of one small Index.add goes, on the GPU.
 
-    python benchmarks/profile_update.py [--data clustered:n=1000000,d=384 | --data DIR/embeddings.pt]
+    python -m benchmarks.profile_update [--data clustered:n=1000000,d=384 | --data DIR/embeddings.pt]
 
 Builds an index of all rows but the last ``share`` (1% by default, the daily-inserts scenario of
 benchmarks/bench_update.py), adds them in batches of that share of N, and prints the median
@@ -8,18 +8,15 @@ time of an add (CUDA events; the first add, which grows the storage, apart), the
 torch.profiler's table of one add (host time of each op and the kernels it launched), sorted
 by GPU time. For the kernels themselves use ncu, e.g.
 
-    ncu -k regex:prune --set full -o add python benchmarks/profile_update.py
+    ncu -k regex:prune --set full -o add python -m benchmarks.profile_update
 """
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks.common import parse_settings, timed  # noqa: E402
-from benchmarks.datasets import load_data  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks.common import parse_settings, timed
+from benchmarks.datasets import load_data
 
 
 def main():

@@ -261,7 +261,7 @@ def write(out_dir: str, name: str, results: dict, target: float = 0.95) -> list:
 
 if __name__ == "__main__":
     # Redraw the plots of written results (after a change to the plot), without rerunning anything:
-    #   python benchmarks/report.py benchmarks/results/*.json
+    #   python -m benchmarks.report benchmarks/results/*.json
     import sys
 
     for json_path in sys.argv[1:]:

@@ -8,8 +8,8 @@ configuration and again after every --hnsw-every configurations, and its search 
 each time, so each configuration's ratios are taken against the HNSW runs next to it in time
 (the machine is shared; see the load averages in the JSON).
 
-    python3 benchmarks/tune_build.py --data .data/text100k.pt:n=30000 --threads 2
-    python3 benchmarks/tune_build.py --data .data/text100k.pt --threads 2 \
+    python3 -m benchmarks.tune_build --data .data/text100k.pt:n=30000 --threads 2
+    python3 -m benchmarks.tune_build --data .data/text100k.pt --threads 2 \
         --configs "degree=32,initial_degree=16,pool_size=48,outer_iters=3,inner_iters=6,reverse_ratio=0.6" \
                   "degree=32,initial_degree=8,pool_size=32,outer_iters=2,inner_iters=4,reverse_ratio=0.5"
 
@@ -25,11 +25,10 @@ import faiss
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_grnnd as grnnd  # noqa: E402
-from benchmarks import datasets, report  # noqa: E402
-from benchmarks.baselines import FaissHNSW  # noqa: E402
-from benchmarks.common import parse_settings  # noqa: E402
+import torch_grnnd as grnnd
+from benchmarks import datasets, report
+from benchmarks.baselines import FaissHNSW
+from benchmarks.common import parse_settings
 
 LIST_SIZES = [10, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384]
 EF = [10, 16, 24, 32, 48, 64, 96, 128, 192, 256]

@@ -1,7 +1,8 @@
 """The benchmarks' regression guard (benchmarks/report.py, regressions): a point slower at equal
 recall than the previous run on the same GPU model is flagged, nothing else is; the data families
 of benchmarks/bench_scale.py with their rare-category queries; bench_distributed_scale.py at toy
-size on two CPU ranks."""
+size on two CPU ranks. The scripts run as modules (python -m benchmarks.NAME) from the repository's
+root, as their documentation says."""
 import copy
 import json
 import os
@@ -90,10 +91,11 @@ def test_the_distributed_scale_benchmark_runs_on_two_cpu_ranks(tmp_path):
     # benchmarks/bench_distributed_scale.py at toy size under torchrun (gloo): each rank makes its
     # own rows, both indexes are built and searched, rank 0 writes the run and --table the table.
     import subprocess
-    script = os.path.join(ROOT, "benchmarks", "bench_distributed_scale.py")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
-                           "--data", "clustered:n=6000,d=16,clusters=20,queries=200", "--device", "cpu",
-                           "--lists", "64,32", "--probes", "1,2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    script = "benchmarks.bench_distributed_scale"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                           script, "--data", "clustered:n=6000,d=16,clusters=20,queries=200", "--device", "cpu",
+                           "--lists", "64,32", "--probes", "1,2", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     run = json.load(open(tmp_path / "distributed_scale_clustered-6k-d16-c20_w2.json"))
     assert run["sharded_recall"] >= 0.95 and run["partitioned_recall"] >= 0.95 and sum(run["partition_rows"]) == 6000
@@ -101,8 +103,9 @@ def test_the_distributed_scale_benchmark_runs_on_two_cpu_ranks(tmp_path):
     assert sorted((p["mode"], p["list"], p["probes"] or 0) for p in run["points"]) == sorted(
         [(m, lst, 0) for m in ("all shards", "rank 0 alone") for lst in (64, 32)]
         + [("partitioned", lst, probes) for lst in (64, 32) for probes in (1, 2)])
-    subprocess.run([sys.executable, script, "--table", str(tmp_path / "distributed_scale_clustered-6k-d16-c20_w2.json"),
-                    "--out", str(tmp_path)], check=True, capture_output=True, timeout=120)
+    subprocess.run([sys.executable, "-m", script, "--table",
+                    str(tmp_path / "distributed_scale_clustered-6k-d16-c20_w2.json"), "--out", str(tmp_path)],
+                   check=True, capture_output=True, timeout=120, cwd=ROOT)
     assert "| 2 | 6,000 | 3,000 |" in (tmp_path / "distributed_scale_clustered-6k-d16-c20_table.md").read_text()
 
 
@@ -110,7 +113,7 @@ def test_the_distributed_benchmark_merges_runs_into_one_scaling_table(tmp_path):
     # benchmarks/bench_distributed.py --table: runs on 2 and 4 GPUs (each against one GPU in its
     # own run) side by side, ratios as the runs measured them.
     import subprocess
-    script = os.path.join(ROOT, "benchmarks", "bench_distributed.py")
+    script = "benchmarks.bench_distributed"
     runs = []
     for world, ratio in ((4, 3.1), (2, 1.7)):
         run = {"data": "clustered-1000k-d64-c100", "n": 1_000_000, "world": world, "probes": 2,
@@ -120,8 +123,8 @@ def test_the_distributed_benchmark_merges_runs_into_one_scaling_table(tmp_path):
         path = tmp_path / f"run{world}.json"
         path.write_text(json.dumps(run))
         runs.append(str(path))
-    subprocess.run([sys.executable, script, "--table", *runs, "--out", str(tmp_path)], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run([sys.executable, "-m", script, "--table", *runs, "--out", str(tmp_path)], check=True,
+                   capture_output=True, timeout=120, cwd=ROOT)
     text = (tmp_path / "distributed_clustered-1000k-d64-c100_table.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| 2 ") or line.startswith("| 4 ")]
     assert [row.split(" |")[0] for row in rows] == ["| 2", "| 4"]  # by the number of GPUs

@@ -1,6 +1,6 @@
 """The layout's rules, checked: no import cycles in the library or the benchmarks (imports inside
 functions count), and benchmark scripts share code only through the benchmarks' shared modules,
-never by importing one another."""
+never by importing one another, and run as modules without editing sys.path."""
 import ast
 import os
 
@@ -62,3 +62,12 @@ def test_the_raw_ops_import_nothing_above_them():
 def test_benchmark_scripts_share_code_through_the_shared_modules_only():
     for module, deps in imports("benchmarks").items():
         assert deps <= SHARED_BENCHMARK_MODULES, (module, deps - SHARED_BENCHMARK_MODULES)
+
+
+def test_benchmark_scripts_leave_sys_path_alone():
+    # They run as modules from the repository's root (python -m benchmarks.NAME), which puts the
+    # root on the path for them.
+    folder = os.path.join(ROOT, "benchmarks")
+    editing = [name for name in sorted(os.listdir(folder))
+               if name.endswith(".py") and "sys.path" in open(os.path.join(folder, name)).read()]
+    assert editing == []
