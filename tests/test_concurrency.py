@@ -95,7 +95,7 @@ def test_searches_during_edits_see_one_state(device, kind):
     assert len(index) == len(live)
     if kind == "Retriever":  # the buffers are the index's tensors, and its state round-trips
         assert index.data is held.data and index.graph is held.graph and index.data.shape[0] == len(held.graph)
-        restored = grnnd.nn.Retriever()
+        restored = grnnd.nn.Retriever().to(device)  # loading keeps the module's device
         restored.load_state_dict(index.state_dict())
         assert torch.equal(restored.search(queries)[1], index.search(queries)[1])
 
