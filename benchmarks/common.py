@@ -102,7 +102,8 @@ def setup(description: str, data: str, arguments=None):
         arguments(p)
     args = p.parse_args()
     # The command as the result files quote it: the script with the arguments it was given but --out.
-    args.command = " ".join([f"python benchmarks/{os.path.basename(sys.argv[0])}"] + [
+    script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    args.command = " ".join([f"python -m benchmarks.{script}"] + [
         f"--{key} {value}" for key, value in vars(args).items() if key != "out" and value != p.get_default(key)])
     device = torch.device(args.device)
     name, base, queries, _ = load_data(args.data, device)

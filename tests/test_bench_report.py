@@ -1,7 +1,7 @@
 """The benchmarks' regression guard (benchmarks/report.py, regressions): a point slower at equal
 recall than the previous run on the same GPU model is flagged, nothing else is; the data families
 of benchmarks/bench_scale.py with their rare-category queries; bench_distributed_scale.py at toy
-size on two CPU ranks. The scripts run as modules (python -m benchmarks.NAME) from the repository's
+size on two CPU ranks; bench_concurrency.py's searches during edits at toy size. The scripts run as modules (python -m benchmarks.NAME) from the repository's
 root, as their documentation says."""
 import copy
 import json
@@ -129,3 +129,16 @@ def test_the_distributed_benchmark_merges_runs_into_one_scaling_table(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| 2 ") or line.startswith("| 4 ")]
     assert [row.split(" |")[0] for row in rows] == ["| 2", "| 4"]  # by the number of GPUs
     assert "1.70x, 0.9600 (2) | 1.70x / 2.00x | 1.90x" in rows[0] and "| 3.80x |" in rows[1]
+
+
+def test_the_concurrency_benchmark_finds_no_mixed_state_on_the_cpu(tmp_path):
+    # benchmarks/bench_concurrency.py at toy size: three threads search while a fourth adds,
+    # removes and compacts; every batch's ids are live in one version, and the run says so.
+    import subprocess
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_concurrency", "--device", "cpu", "--data",
+                           "clustered:n=8000,d=16,clusters=20,queries=300", "--edits", "12", "--seconds", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = json.load(open(tmp_path / "concurrency_clustered-8k-d16-c20_cpu.json"))
+    assert run["errors"] == 0 and run["inconsistent"] == 0 and run["searches_during_edits"] > 0
+    assert run["recall"] >= 0.9 and run["alone_qps"] > 0 and run["shared_qps"] > 0
