@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 
 import pytest
 import torch
@@ -80,6 +81,37 @@ def test_truncated_corrupted_foreign_and_newer_files_are_refused(index, tmp_path
         grnnd.Index.load(newer)
     with pytest.raises(FileNotFoundError):
         grnnd.Index.load(tmp_path / "missing.grnnd")
+
+
+def test_every_chunk_is_checksummed_and_checked(index, tmp_path, monkeypatch):
+    # Chunks of 4 KiB: the rows' checksums are a list, computed in parallel, in order; a byte
+    # flipped in the last chunk of the rows is found as surely as one in the first.
+    monkeypatch.setattr(saving, "_CRC_CHUNK", 4096)
+    path = tmp_path / "index.grnnd"
+    index.save(path)
+    record = torch.load(path, weights_only=True)
+    rows = index.data.numpy().tobytes()
+    assert record["version"] == saving.VERSION == 2
+    assert record["checksums"]["data"] == [zlib.crc32(rows[s:s + 4096]) for s in range(0, len(rows), 4096)]
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(rows[-64:]) + 10] ^= 0x01
+    flipped = tmp_path / "flipped.grnnd"
+    flipped.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="tensor 'data' does not match its checksum"):
+        grnnd.Index.load(flipped)
+
+
+def test_version_1_files_still_load(index, tmp_path):
+    # Version 1 kept one CRC per tensor.
+    state = index.state_dict()
+    sums = {name: saving.checksum(t) for name, t in saving._tensors(state)}
+    old = tmp_path / "v1.grnnd"
+    torch.save({"format": saving.FORMAT, "version": 1, "state": state, "checksums": sums}, old)
+    assert torch.equal(grnnd.Index.load(old).graph, index.graph)
+    sums["graph"] ^= 1
+    torch.save({"format": saving.FORMAT, "version": 1, "state": state, "checksums": sums}, old)
+    with pytest.raises(ValueError, match="tensor 'graph' does not match its checksum"):
+        grnnd.Index.load(old)
 
 
 def test_a_save_killed_part_way_leaves_a_loadable_file(tmp_path):
