@@ -79,9 +79,12 @@ def main():
         t.join()
     alone_qps = len(done) * args.batch / args.seconds
 
-    # With one: states[v] is the set of live ids of version v, recorded after each edit.
+    # With one. The version recorded after each edit; each id's recorded version from which it is
+    # live (absent: from the start) and the one from which it is removed: together the live ids
+    # of every recorded version, without a copy of the live set per edit.
     live = set(range(first))
-    states = {index.version: frozenset(live)}
+    recorded, added_at, removed_at = [index.version], {}, {}
+    pending_added, pending_removed = [], []
     held_out = list(range(first, n))  # rows not in the index: added, and re-added after removal
     next_id, times = n, {"add": [], "remove": [], "compact": []}
     row_of = {i: i for i in range(first)}  # id -> row of base it holds
@@ -101,19 +104,24 @@ def main():
                 for i, r in zip(ids.tolist(), rows.tolist()):
                     row_of[i] = r
                 live |= set(ids.tolist())
+                pending_added = ids.tolist()
                 next_id += rows.numel()
             elif kind == "remove":
                 order = sorted(live)
                 gone = [order[i] for i in torch.randperm(len(order), generator=g)[:step].tolist()]
                 index.remove(torch.tensor(gone, device=device))
                 live -= set(gone)
+                pending_removed = gone
                 held_out += [row_of.pop(i) for i in gone]
             else:
                 index.compact()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times[kind].append(time.perf_counter() - t0)
-            states[index.version] = frozenset(live)
+            recorded.append(index.version)
+            added_at.update(dict.fromkeys(pending_added, recorded[-1]))
+            removed_at.update(dict.fromkeys(pending_removed, recorded[-1]))
+            pending_added, pending_removed = [], []
     finally:
         stop.set()
         for t in threads:
@@ -124,13 +132,15 @@ def main():
     # A search may have started or ended inside an edit that made more than one version visible:
     # it may see any recorded state from the last one at or before `before` to the first one at or
     # after `after`.
-    recorded = sorted(states)
+    def all_live(found: set, v: int) -> bool:
+        return all(added_at.get(i, v) <= v < removed_at.get(i, v + 1) for i in found)
+
     inconsistent = 0
     for before, after, ids in done:
         found = set(ids[ids >= 0].tolist())
         low = max(bisect.bisect_right(recorded, before) - 1, 0)
         high = bisect.bisect_left(recorded, after) + 1
-        inconsistent += not any(found <= states[v] for v in recorded[low:high])
+        inconsistent += not any(all_live(found, v) for v in recorded[low:high])
     kept = torch.tensor(sorted(live), device=device)
     rows = torch.tensor([row_of[i] for i in kept.tolist()], device=device)
     truth = kept[grnnd.knn(base[rows], queries, K)[1]]

@@ -8,8 +8,7 @@ chunk of every tensor's bytes; :meth:`Index.load <torch_grnnd.Index.load>` maps 
 memory (``torch.load(mmap=True)``), refuses files of a newer format, and checks every tensor
 against its checksums, so a truncated or corrupted file raises an error that names it instead of
 loading. The chunks are checksummed on all the CPU's cores at once (``zlib.crc32`` lets go of the
-interpreter's lock): they are a pass over every byte before the file is written, which one thread
-makes at about 1.7 GB/s (a 2-core machine; docs/changelog.md, index format 2).
+interpreter's lock): they are a pass over every byte before the file is written.
 """
 import collections
 import os
