@@ -9,8 +9,9 @@ takes its share as its shard. Rank 0 also runs the one-GPU baselines while the o
   sharded    search of the queries (each rank a share) over all shards  vs  one GPU's index of
              N / W rows searching all the queries (the issue's "half the data"); recall against
              exact neighbours of all N rows, and one GPU's index of all N rows at the same list;
-  partitioned  the same with ShardedIndex.build(partition=True, probes=--probes): rows placed by
-             a balanced k-means over the ranks, each query sent to its --probes nearest shards;
+  partitioned  the same with ShardedIndex.build(partition=True): rows placed by cells of a k-means
+             grouped by rank, each query sent to its own shard and then to the shards the
+             partition's borders say may hold its neighbours (at most --probes; auto: no limit);
   replicated the index of N / W rows on every rank, the batch split  vs  that index on one GPU;
   exact      distributed.knn of the queries over the shards  vs  grnnd.knn over all N on one GPU.
 Wall-clock seconds after a CUDA synchronisation and a barrier, median of 3 (builds too). Also:
@@ -130,7 +131,8 @@ def main():
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--big-batch", type=int, default=100_000,
                    help="queries of the second replicated measurement (the query set repeated)")
-    p.add_argument("--probes", type=int, default=2, help="shards a query visits in the partitioned index")
+    p.add_argument("--probes", default="auto", help="most shards a query visits in the partitioned index "
+                   "(auto: as many as the partition's borders ask)")
     p.add_argument("--table", nargs="+", help="merge these JSON runs (2, 4 ... GPUs) into one scaling table instead")
     args = p.parse_args()
     if args.table:
@@ -158,10 +160,12 @@ def main():
     r["sharded_steps_s"] = {name: gather_floats(statistics.median(s[name] for s in steps), world)
                             for name in steps[0]}
     parted, r["partitioned_build_s"] = seconds(
-        lambda: grnnd.distributed.ShardedIndex.build(mine, partition=True, probes=args.probes), repeat=1)
+        lambda: grnnd.distributed.ShardedIndex.build(
+            mine, partition=True, probes=None if args.probes == "auto" else int(args.probes)), repeat=1)
     r["probes"] = args.probes
     r["partition_rows"] = gather_floats(float(len(parted.local)), world)
     (_, i_part), r["partitioned_search_s"] = seconds(lambda: parted.search(my_queries, K, list_size=LIST))
+    r["partitioned_shards_per_query"] = statistics.mean(gather_floats(parted.shards_per_query, world))
     (_, i_ex), r["exact_knn_s"] = seconds(lambda: grnnd.distributed.knn(mine, my_queries, K))
     replicated = grnnd.distributed.ReplicatedIndex(grnnd.Index.build(base[:bounds[1]].contiguous()))
     (_, i_rep), r["replicated_search_s"] = seconds(lambda: replicated.search(queries, K, list_size=LIST))
@@ -222,7 +226,8 @@ def main():
                  f"{r.get('sharded_recall', float('nan')):.4f} | {n // world:,} rows: "
                  f"{nq / r['one_gpu_search_s']:,.0f} q/s; all {n:,} rows: recall {r['one_gpu_whole_recall']:.4f} | "
                  f"{r['sharded_qps_ratio']:.2f}x the q/s |",
-                 f"| partitioned search, {args.probes} of {world} shards per query (built in "
+                 f"| partitioned search, {r['partitioned_shards_per_query']:.2f} of {world} shards a query "
+                 f"(probes {args.probes}; built in "
                  f"{r['partitioned_build_s']:.2f} s; rows per rank "
                  f"{' / '.join(f'{v:,.0f}' for v in r['partition_rows'])}) | "
                  f"{nq / r['partitioned_search_s']:,.0f} q/s, recall {r.get('partitioned_recall', float('nan')):.4f} | "

@@ -106,9 +106,10 @@ def measure(args) -> None:
     name = f"clustered-{spec['n'] // 1000}k-d{spec['d']}-c{spec['clusters']}" + (f"-{args.codes}" if args.codes else "")
     grnnd.build(mine[:20_000])  # warm-up: kernels loaded, allocator primed
     lists = [int(v) for v in args.lists.split(",")]
-    probes = sorted({min(int(v), world) for v in args.probes.split(",")})
+    # "auto": routed by the partition's borders (probes=None); a number caps the shards a query visits.
+    probes = list(dict.fromkeys(v if v == "auto" else min(int(v), world) for v in args.probes.split(",")))
     settings = {"codes": args.codes} if args.codes else {}
-    r = {"data": name, **spec, "world": world, "list_size": lists[0], "probes": probes[-1], "codes": args.codes,
+    r = {"data": name, **spec, "world": world, "list_size": lists[0], "probes": probes[0], "codes": args.codes,
          "rows_per_rank": counts, "machine": machine(threads=torch.get_num_threads(), cuda=use_cuda)}
     found = {}  # (mode, list, probes) -> this rank's ids; the times go to r["points"]
     points = []
@@ -116,7 +117,10 @@ def measure(args) -> None:
     def searched(mode, index, qs, lst, probe=None, everyone=True):
         (_, ids), t = seconds(lambda: index.search(qs, k=K, list_size=lst), device, repeat=3, everyone=everyone)
         found[mode, lst, probe] = ids
-        points.append({"mode": mode, "list": lst, "probes": probe, "s": t, "qps": spec["queries"] / t})
+        # Shards a query visited, over all ranks' queries (a collective: not for rank 0 alone).
+        visits = gathered(torch.tensor([index.shards_per_query], device=device)).mean().item() if everyone else 1.0
+        points.append({"mode": mode, "list": lst, "probes": probe, "s": t, "qps": spec["queries"] / t,
+                       "shards_per_query": visits})
 
     sharded, r["sharded_build_s"] = seconds(lambda: grnnd.distributed.ShardedIndex.build(mine, **settings), device)
     for lst in lists:
@@ -124,10 +128,10 @@ def measure(args) -> None:
     say(r, "sharded_build")
     del sharded
     parted, r["partitioned_build_s"] = seconds(
-        lambda: grnnd.distributed.ShardedIndex.build(mine, partition=True, probes=probes[-1], **settings), device)
+        lambda: grnnd.distributed.ShardedIndex.build(mine, partition=True, **settings), device)
     r["partition_rows"] = gathered(torch.tensor([len(parted.local)], device=device)).tolist()
     for probe in probes:
-        parted.probes = probe
+        parted.probes = None if probe == "auto" else probe
         for lst in lists:
             searched("partitioned", parted, my_queries, lst, probe)
     say(r, "partitioned_build")
@@ -151,10 +155,11 @@ def measure(args) -> None:
         first = {(p["mode"], p["probes"]): p for p in reversed(points) if p["list"] == lists[0]}
         r["points"] = points
         r["sharded_qps"] = first["all shards", None]["qps"]
-        r["partitioned_qps"] = first["partitioned", probes[-1]]["qps"]
+        r["partitioned_qps"] = first["partitioned", probes[0]]["qps"]
         r["one_rank_qps"] = first["rank 0 alone", None]["qps"]
         r["sharded_recall"] = first["all shards", None].get("recall", float("nan"))
-        r["partitioned_recall"] = first["partitioned", probes[-1]].get("recall", float("nan"))
+        r["partitioned_recall"] = first["partitioned", probes[0]].get("recall", float("nan"))
+        r["partitioned_shards_per_query"] = first["partitioned", probes[0]]["shards_per_query"]
         write(r, args.out)
     dist.barrier()
     dist.destroy_process_group()
@@ -172,7 +177,11 @@ def write(r: dict, out: str) -> None:
              f"queries at once, recall@10 against distributed.knn; codes: {r.get('codes') or 'none (rows)'}.", "",
              "| search | list | queries/s | recall@10 | vs rank 0 alone |", "|---|---:|---:|---:|---:|"]
     for p in r["points"]:
-        mode = p["mode"] + (f", {p['probes']} of {w} shards" if p["probes"] else "")
+        mode = p["mode"]
+        if p["probes"] == "auto":
+            mode += f", routed by borders ({p['shards_per_query']:.2f} of {w} shards a query)"
+        elif p["probes"]:
+            mode += f", at most {p['probes']} of {w} shards ({p['shards_per_query']:.2f} a query)"
         lines.append(f"| {mode} | {p['list']} | {p['qps']:,.0f} | {p.get('recall', float('nan')):.4f} | "
                      f"{p['qps'] / alone[p['list']]:.2f}x |")
     lines += ["", "| build | s |", "|---|---:|", f"| all shards | {r['sharded_build_s']:.2f} |",
@@ -207,7 +216,8 @@ def main():
     p.add_argument("--data", default="clustered:n=100000000,d=1024,clusters=100000,queries=10000")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--lists", default="64", help="search list sizes, comma-separated (the first is the table's)")
-    p.add_argument("--probes", default="2", help="shards a partitioned search visits, comma-separated")
+    p.add_argument("--probes", default="auto", help="most shards a partitioned search visits, comma-separated; "
+                   "auto: as many as the partition's borders ask (the first is the table's)")
     p.add_argument("--codes", default=None, choices=["int8", "int4"], help="search by codes (every index)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--table", nargs="+", help="merge these JSON runs into one scaling table instead")

@@ -64,32 +64,42 @@ def worker(rank: int, world: int, init: str, out: str, device: str):
     user = grnnd.distributed.ShardedIndex.build(mine, ids=torch.arange(bounds[rank], bounds[rank + 1]).to(device)
                                                 * 3 + 7)
     result["user_ids"] = user.search(my_queries, 10, list_size=64)[1].cpu()
-    # Partitioned: rows placed by proximity, each query sent to its nearest shards only.
-    parted = grnnd.distributed.ShardedIndex.build(mine, partition=True, probes=1)
+    # Partitioned: rows placed by proximity, each query sent to its own shard, then to those
+    # whose cells' borders its k-th distance there reaches (at most probes).
+    parted = grnnd.distributed.ShardedIndex.build(mine, partition=True)
     result["partition_rows"] = len(parted.local)
     result["partition_ids"] = parted.local.ids.cpu()
-    for probes in (1, world):
-        parted.probes = probes
-        result[f"partitioned_{probes}"] = parted.search(my_queries, 10, list_size=64)[1].cpu()
+    result["partitioned_routed"] = parted.search(my_queries, 10, list_size=64)[1].cpu()
+    result["routed_shards"] = parted.shards_per_query
+    parted.probes = 1
+    result["partitioned_1"] = parted.search(my_queries, 10, list_size=64)[1].cpu()
+    result["probes_1_shards"] = parted.shards_per_query
+    parted.probes = None
+    # A state saved when partitions were one centre a rank (no biases) routes by nearness: to
+    # every shard at probes = ranks.
+    old = {key: value for key, value in parted.state_dict().items() if key != "partition"}
+    old.update(centres=torch.randn(world, DIM), probes=world)
+    everywhere = grnnd.distributed.ShardedIndex.from_state_dict(old)
+    result["partitioned_everywhere"] = everywhere.search(my_queries, 10, list_size=64)[1].cpu()
+    result["everywhere_shards"] = everywhere.shards_per_query
     # Index.build's own settings (codes) pass through a partitioned build.
-    coded = grnnd.distributed.ShardedIndex.build(mine, partition=True, probes=world, codes="int4")
+    coded = grnnd.distributed.ShardedIndex.build(mine, partition=True, codes="int4")
     result["partitioned_int4"] = coded.search(my_queries, 10, list_size=64)[1].cpu()
     # The rows move in rounds bounded in bytes: rounds of 37 rows (a different number of rounds
     # on each rank, the shards being uneven) give each rank the rows one round gives, intact.
     own_ids = torch.arange(bounds[rank], bounds[rank + 1]).to(device)
-    no_bias = torch.zeros(world, device=device)
-    _, one_round = grnnd.distributed._to_partitions(mine, own_ids, parted.centres, no_bias, "l2", None)
+    _, one_round = grnnd.distributed._to_partitions(mine, own_ids, parted.partition, None)
     grnnd.distributed._EXCHANGE_BYTES = 37 * DIM * mine.element_size()
-    rows, ids = grnnd.distributed._to_partitions(mine, own_ids, parted.centres, no_bias, "l2", None)
+    rows, ids = grnnd.distributed._to_partitions(mine, own_ids, parted.partition, None)
     grnnd.distributed._EXCHANGE_BYTES = 1 << 30
     result["rounds_same_ids"] = torch.equal(ids.sort().values.cpu(), one_round.sort().values.cpu())
     result["rounds_rows_intact"] = torch.equal(rows.cpu(), data[ids.cpu()].to(rows.dtype))
     result["partitioned_restored_equal"] = torch.equal(
         grnnd.distributed.ShardedIndex.from_state_dict(parted.state_dict()).search(my_queries, 10,
                                                                                    list_size=64)[1].cpu(),
-        result[f"partitioned_{world}"])
+        result["partitioned_routed"])
     # Growth: each rank adds rows of its own (numbered after every id, rank by rank), to its
-    # shard or, partitioned, to the shard of their nearest centre; then ranks remove vectors that
+    # shard or, partitioned, to the shard of their cell; then ranks remove vectors that
     # any rank holds.
     added = extra_rows(world)[rank * EXTRA:(rank + 1) * EXTRA].to(device)
     want = N + rank * EXTRA + torch.arange(EXTRA)
@@ -135,7 +145,7 @@ def worker(rank: int, world: int, init: str, out: str, device: str):
     tiny = grnnd.Index.build(data[:40].to(device))
     tiny.remove(torch.arange(1, 40, device=device))
     tiny_states = [{"local": tiny.state_dict(), "offset": 0, "total": 1, "user_ids": True, "rank": 0, "world_size": 1,
-                    "centres": None, "probes": 2, "next_id": 40}]
+                    "partition": None, "probes": None, "next_id": 40}]
     for bad in (lambda: grnnd.distributed.knn(mine[:, :DIM - rank % 2], my_queries[:, :DIM - rank % 2], 10),
                 lambda: grnnd.distributed.knn(mine, my_queries, 10 + rank % 2),
                 lambda: grnnd.distributed.knn(mine.double() if rank == 1 else mine, my_queries, 10),
@@ -184,16 +194,23 @@ def check(results, world):
         assert recall(coded, truth) >= recall(one, truth) - 0.01, kind
         assert all(r[f"coded_{kind}_restored_equal"] for r in results), kind
     # Partitioned: every row on exactly one rank, shares within 25% of equal; a query sent to
-    # every shard finds what the all-shards search finds, to its nearest shard alone nearly as much.
+    # every shard finds what the all-shards search finds, to its own shard alone nearly as much,
+    # and routed by the borders as much while most queries (clusters whole in a shard) visit one.
     placed = torch.cat([r["partition_ids"] for r in results])
     assert torch.equal(placed.sort().values, torch.arange(N))
     shares = torch.tensor([r["partition_rows"] for r in results], dtype=torch.float64) * world / N
     assert float((shares - 1).abs().max()) <= 0.25, shares
-    everywhere = recall(torch.cat([r[f"partitioned_{world}"] for r in results]), truth)
-    assert everywhere >= recall(one, truth) - 0.01
-    assert recall(torch.cat([r["partitioned_1"] for r in results]), truth) >= everywhere - 0.05
+    everywhere = torch.cat([r["partitioned_everywhere"] for r in results])
+    assert all(r["everywhere_shards"] == world and r["probes_1_shards"] == 1 for r in results)
+    assert recall(everywhere, truth) >= recall(one, truth) - 0.01
+    assert recall(torch.cat([r["partitioned_1"] for r in results]), truth) >= recall(everywhere, truth) - 0.05
+    # A shard the borders rule out holds nothing nearer than the k-th found: the same answers.
+    routed = torch.cat([r["partitioned_routed"] for r in results])
+    assert float((routed == everywhere).all(1).float().mean()) >= 0.99
+    shards = sum(r["routed_shards"] for r in results) / world
+    assert 1 <= shards <= 1.5, shards
     assert all(r["partitioned_restored_equal"] for r in results)
-    assert recall(torch.cat([r["partitioned_int4"] for r in results]), truth) >= everywhere - 0.01
+    assert recall(torch.cat([r["partitioned_int4"] for r in results]), truth) >= recall(everywhere, truth) - 0.01
     assert all(r["rounds_same_ids"] and r["rounds_rows_intact"] for r in results)
     # Growth: added rows found under the ids they were numbered with; removed ones never again.
     assert all(r["grown_added_found"] and r["parted_added_found"] for r in results)
@@ -291,3 +308,22 @@ def test_a_rank_that_dies_makes_the_others_raise():
     assert not any(w.is_alive() for w in workers), "a rank hung"
     seconds, outcome = open(os.path.join(out, "outcome.txt")).read().split("\n", 1)
     assert outcome.startswith("raised") and float(seconds) <= 60, outcome
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_a_shard_the_borders_rule_out_holds_no_neighbour(metric):
+    # The routing's promise, on clustered and on structureless rows: every exact neighbour of a
+    # query lies on a shard that Partition.reachable gives for the query's exact k-th distance.
+    for x in (clustered(6000, 16, 30, seed=53), torch.randn(6000, 16, generator=torch.Generator().manual_seed(54))):
+        rows, queries = x[:5500], x[5500:]
+        part = grnnd.distributed._plan_partition(rows, 3, metric, seed=0)
+        ranks = part.ranks(rows)
+        assert torch.bincount(ranks, minlength=3).min() > 0
+        dists, ids = grnnd.knn(rows, queries, 10, metric=metric)
+        reach = part.reachable(part.scores(queries), dists[:, -1])
+        assert bool(reach.gather(1, ranks[ids]).all())
+        # The query's own shard is always reachable; a shard is not reachable at radius zero
+        # unless the query sits on a border.
+        own = part.rank_order(part.scores(queries))[:, 0]
+        assert bool(reach.gather(1, own[:, None]).all())
+        assert float(part.reachable(part.scores(queries), torch.zeros(500)).sum(1).float().mean()) < 1.01

@@ -6,10 +6,11 @@ number of ranks), with the collectives PyTorch already runs:
 - :class:`ShardedIndex`: each rank indexes its own rows (its shard). A search gathers every
   rank's queries, searches them on every shard, and returns to each rank the best k of its own
   queries over all shards (one all-gather of the queries, one all-to-all of the per-shard top k).
-  Built with ``partition=True``, the rows move first to the rank whose partition centre is
-  nearest (balanced k-means over all ranks' rows), and a search sends each query only to the
-  ``probes`` shards of its nearest centres (all-to-alls of the queries and of the answers), so
-  that the work per query does not grow with the number of shards.
+  Built with ``partition=True``, the rows move first to the rank of their cell (a k-means over
+  all ranks' rows, its cells grouped by rank), and a search sends each query to its own cell's
+  shard and then only to the shards whose cells' borders lie within the k-th distance found there
+  (all-to-alls of the queries and of the answers), so that the work per query does not grow with
+  the number of shards.
 - :class:`ReplicatedIndex`: every rank holds the whole index; a batch that every rank passes is
   split between them and each rank gets the whole answer (throughput).
 - :func:`knn` and :func:`knn_graph`: exact neighbours over sharded data, the same exchange.
@@ -117,6 +118,9 @@ def _packed(dists: Tensor, ids: Tensor) -> Tensor:
 
 def _unpacked(packed: Tensor) -> Tuple[Tensor, Tensor]:
     """Inverse of :func:`_packed`."""
+    if packed.numel() == 0:  # an empty slice keeps its offset, which a view as int64 refuses
+        return (torch.empty(packed.shape[:-1], device=packed.device),
+                torch.empty(packed.shape[:-1], dtype=torch.long, device=packed.device))
     return (packed[..., 0].contiguous().view(torch.float32),
             packed[..., 1:].contiguous().view(torch.int64).squeeze(-1))
 
@@ -220,23 +224,27 @@ def knn_graph(local_data: Tensor, k: int, *, metric: ops.Metric = "l2",
     return without_own(dists, ids, torch.arange(offset, offset + local_data.shape[0], device=ids.device)[:, None])
 
 
-# Partitioned shards: rows sampled over all ranks for the partition centres, the Lloyd rounds run
-# on that sample, and the rounds that adjust each centre's bias until the sample's parts are
-# balanced (placement: argmin over centres of distance + bias).
-_PARTITION_SAMPLE = 32_768
+# Partitioned shards. A k-means of _CELLS_PER_RANK cells a rank runs on a sample of every rank's
+# rows (_SAMPLE_PER_CELL rows a cell, _PARTITION_ROUNDS Lloyd rounds); the cells are grouped into
+# one part a rank by a k-means of their centres weighted by their rows, and a bias a rank, found
+# in _BALANCE_ROUNDS rounds, evens the parts' rows. Cells much smaller than a shard keep clusters
+# of the data whole where a centre a rank would cut them along the direction between two centres.
+_CELLS_PER_RANK = 32
+_SAMPLE_PER_CELL = 256
 _PARTITION_ROUNDS = 12
 _BALANCE_ROUNDS = 64
+_ASSIGN_ROWS = 1 << 16  # rows scored against the cells at a time
 
 
 def _centre_distances(x: Tensor, centres: Tensor, metric: str) -> Tensor:
-    """float32 [n, W]: each row's distance to each centre under ``metric`` (squared l2; 1 - cos;
+    """float32 [n, C]: each row's distance to each centre under ``metric`` (squared l2; 1 - cos;
     -<x, c>), in chunks that bound the float32 copy of the rows."""
     parts = []
     c = centres.float()
     if metric == "cosine":
         c = torch.nn.functional.normalize(c, dim=1)
-    for start in range(0, x.shape[0], 1 << 16):
-        rows = x[start:start + (1 << 16)].float()
+    for start in range(0, x.shape[0], _ASSIGN_ROWS):
+        rows = x[start:start + _ASSIGN_ROWS].float()
         if metric == "cosine":
             rows = torch.nn.functional.normalize(rows, dim=1)
         dots = rows @ c.T
@@ -247,46 +255,144 @@ def _centre_distances(x: Tensor, centres: Tensor, metric: str) -> Tensor:
     return torch.cat(parts) if parts else x.new_zeros(0, c.shape[0], dtype=torch.float32)
 
 
-def _balanced_parts(dists: Tensor) -> Tuple[Tensor, Tensor]:
+def _balanced_parts(dists: Tensor, weights: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """``(parts [n], bias [W])``: each row's part argmin(dists + bias), with the bias raised for
-    parts above an equal share and lowered for those below until the shares are about equal."""
+    parts above an equal share of the rows' ``weights`` (ones by default) and lowered for those
+    below until the shares are about equal."""
     n, w = dists.shape
     bias = torch.zeros(w, device=dists.device)
-    scale = float(dists.std()) if n > 1 else 1.0
+    total = float(weights.sum()) if weights is not None else float(n)
+    scale = float(dists[dists.isfinite()].std()) if n > 1 else 1.0
+    best, best_bias = float("inf"), bias.clone()
     for step in range(_BALANCE_ROUNDS):
         parts = (dists + bias).argmin(1)
-        share = torch.bincount(parts, minlength=w).float() * w / max(n, 1)
+        share = torch.bincount(parts, weights=weights, minlength=w).float() * w / max(total, 1e-30)
+        worst = float((share - 1).abs().max())
+        if worst < best:  # the most even bias seen: a step may overshoot where few rows move at once
+            best, best_bias = worst, bias.clone()
         bias += scale * (share - 1) / (4 + step)  # steps that shrink: it settles
-    return (dists + bias).argmin(1), bias
+    return (dists + best_bias).argmin(1), best_bias
 
 
-def _partition_centres(local_data: Tensor, metric: str, sizes: Sequence[int], group: Optional[dist.ProcessGroup],
-                       seed: int) -> Tuple[Tensor, Tensor]:
-    """``(centres [W, D] float32, bias [W])`` of a balanced k-means over a sample of every rank's
-    rows, computed on rank 0 and broadcast, so that every rank holds the same."""
+def _kmeans(x: Tensor, k: int, metric: str, generator: torch.Generator, weights: Optional[Tensor] = None,
+            balanced: bool = False) -> Tuple[Tensor, Tensor]:
+    """``(centres [k, D], parts [n])``: Lloyd rounds from k distinct random rows of ``x`` (float32),
+    weighted by ``weights``; ``balanced``: each round's assignment evens the parts' weights
+    (:func:`_balanced_parts`). An empty part keeps its centre."""
+    first = torch.randperm(x.shape[0], generator=generator)[:k].to(x.device)
+    c = x[first].clone()
+    w = torch.ones(x.shape[0], device=x.device) if weights is None else weights.float()
+    for _ in range(_PARTITION_ROUNDS + 1):
+        dists = _centre_distances(x, c, metric)
+        parts = _balanced_parts(dists, w)[0] if balanced else dists.argmin(1)
+        if _ == _PARTITION_ROUNDS:
+            break
+        sums = torch.zeros_like(c).index_add_(0, parts, x * w[:, None])
+        counts = torch.zeros(k, device=x.device).index_add_(0, parts, w)[:, None]
+        c = torch.where(counts > 0, sums / counts.clamp_min(1e-30), c)
+    return c, parts
+
+
+@dataclasses.dataclass
+class Partition:
+    """Where a partitioned index's rows live. A row belongs to the cell j of least
+    ``distance(row, centres[j]) + bias[j]`` (a power diagram of the cells), on rank ``owner[j]``;
+    ``bias`` is the same for every cell of a rank. Under l2 and cosine a search can tell which
+    shards may hold a query's neighbours: a cell's rows lie beyond the border between it and the
+    query's own cell, so a shard none of whose cells has that border within the query's k-th
+    distance holds none of them (:meth:`reachable`). ``bias=None`` (a partition saved before the
+    biases were kept) and the ip metric, which has no such borders, route by nearness alone."""
+
+    centres: Tensor  # float32 [C, D]
+    bias: Optional[Tensor]  # float32 [C]
+    owner: Tensor  # int64 [C]
+    world: int
+    metric: str
+
+    def __post_init__(self):
+        c = self.centres.float()
+        if self.metric == "cosine":
+            c = torch.nn.functional.normalize(c, dim=1)
+        # Twice the distance between each two cells' centres: the scale of their power border.
+        self._apart = (2 * torch.cdist(c, c)).fill_diagonal_(float("inf")).clamp_min(1e-30)
+
+    def scores(self, x: Tensor) -> Tensor:
+        """float32 [n, C]: each row's power (distance + bias) to each cell."""
+        d = _centre_distances(x, self.centres, self.metric)
+        return d if self.bias is None else d + self.bias
+
+    def ranks(self, x: Tensor) -> Tensor:
+        """int64 [n]: the rank whose shard holds (or would hold) each row, in chunks of rows."""
+        parts = [self.owner[self.scores(x[s:s + _ASSIGN_ROWS]).argmin(1)] for s in range(0, x.shape[0], _ASSIGN_ROWS)]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=x.device)
+
+    def rank_order(self, scores: Tensor) -> Tensor:
+        """int64 [n, W]: the ranks by each row's best cell on them, nearest first."""
+        best = torch.full((scores.shape[0], self.world), float("inf"), device=scores.device)
+        best.scatter_reduce_(1, self.owner.expand(scores.shape[0], -1), scores, reduce="amin")
+        return best.argsort(1)
+
+    def reachable(self, scores: Tensor, radius_sq: Tensor) -> Tensor:
+        """bool [n, W]: the shards that may hold rows within ``radius_sq`` (a distance under the
+        metric: squared l2, or 1 - cos) of each row whose ``scores`` these are. A cell j can hold
+        such a row only if the border between it and the row's own cell h, the hyperplane where
+        their powers are equal, lies within that radius: (power_j - power_h) / (2 |c_j - c_h|),
+        on unit vectors for cosine (where squared l2 is twice 1 - cos). The borders are taken a
+        thousandth nearer for float32's rounding."""
+        own = scores.argmin(1)
+        to_sq_l2 = 2.0 if self.metric == "cosine" else 1.0
+        gap = to_sq_l2 * (scores - scores.gather(1, own[:, None])) / self._apart[own]
+        radius = (to_sq_l2 * radius_sq.clamp_min(0)).sqrt()
+        near = (gap <= radius[:, None] * 1.001).float()
+        return torch.zeros(scores.shape[0], self.world, device=scores.device).index_add_(1, self.owner, near) > 0
+
+    def state(self) -> Dict[str, Any]:
+        return {"centres": self.centres, "bias": self.bias, "owner": self.owner}
+
+
+def _plan_partition(sample: Tensor, world: int, metric: str, seed: int) -> Partition:
+    """The partition of ``world`` ranks that a sample of all rows (float32) gives: cells by
+    k-means, grouped into parts by a balanced k-means of the cell centres weighted by their rows,
+    then a bias a rank that evens the sample's rows between the ranks."""
+    generator = torch.Generator().manual_seed(seed)
+    cells = min(_CELLS_PER_RANK * world, sample.shape[0])
+    centres, parts = _kmeans(sample, cells, metric, generator)
+    rows = torch.bincount(parts, minlength=cells).float()
+    kept = rows > 0  # a cell without rows owns nothing and borders nothing
+    centres, rows = centres[kept], rows[kept]
+    _, owner = _kmeans(centres, world, metric, generator, weights=rows, balanced=True)
+    dists = _centre_distances(sample, centres, metric)
+    per_rank = torch.full((sample.shape[0], world), float("inf"), device=sample.device)
+    per_rank.scatter_reduce_(1, owner.expand(sample.shape[0], -1), dists, reduce="amin")
+    _, rank_bias = _balanced_parts(per_rank)
+    return Partition(centres, rank_bias[owner], owner, world, metric)
+
+
+def _partition(local_data: Tensor, metric: str, sizes: Sequence[int], group: Optional[dist.ProcessGroup],
+               seed: int) -> Partition:
+    """The partition (:func:`_plan_partition`) of a sample of every rank's rows, planned on rank
+    0 and broadcast, so that every rank holds the same."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     total = sum(sizes)
-    take = [min(s, -(-_PARTITION_SAMPLE * s // max(total, 1))) for s in sizes]
+    wanted = _SAMPLE_PER_CELL * _CELLS_PER_RANK * world
+    take = [min(s, -(-wanted * s // max(total, 1))) for s in sizes]
     generator = torch.Generator(device="cpu").manual_seed(seed + rank)
     picked = torch.randperm(sizes[rank], generator=generator)[:take[rank]].to(local_data.device)
     sample = _all_gather_rows(local_data[picked].float(), take, group)
     device = _comm_device(group)
-    centres = torch.empty(world, local_data.shape[1], device=device)
-    bias = torch.empty(world, device=device)
+    cells = torch.zeros(1, dtype=torch.long, device=device)
     if rank == 0:
-        first = torch.randperm(sample.shape[0], generator=torch.Generator().manual_seed(seed))[:world]
-        c = sample[first.to(sample.device)].clone()
-        for _ in range(_PARTITION_ROUNDS):
-            parts, b = _balanced_parts(_centre_distances(sample, c, metric))
-            sums = torch.zeros_like(c).index_add_(0, parts, sample)
-            counts = torch.bincount(parts, minlength=world)[:, None]
-            c = torch.where(counts > 0, sums / counts.clamp_min(1), c)  # an empty part keeps its centre
-        _, b = _balanced_parts(_centre_distances(sample, c, metric))
-        centres.copy_(c)
-        bias.copy_(b)
-    dist.broadcast(centres, 0, group=group)
-    dist.broadcast(bias, 0, group=group)
-    return centres.to(local_data.device), bias.to(local_data.device)
+        plan = _plan_partition(sample.to(device), world, metric, seed)
+        cells[0] = plan.centres.shape[0]
+    dist.broadcast(cells, 0, group=group)
+    if rank != 0:
+        c = int(cells)
+        plan = Partition(torch.empty(c, local_data.shape[1], device=device), torch.empty(c, device=device),
+                         torch.empty(c, dtype=torch.long, device=device), world, metric)
+    for t in (plan.centres, plan.bias, plan.owner):
+        dist.broadcast(t, 0, group=group)
+    here = local_data.device
+    return Partition(plan.centres.to(here), plan.bias.to(here), plan.owner.to(here), world, metric)
 
 
 def _all_to_all_rows(rows: Tensor, counts: Sequence[int], group: Optional[dist.ProcessGroup]) -> Tuple[Tensor, List[int]]:
@@ -310,15 +416,15 @@ def _all_to_all_rows(rows: Tensor, counts: Sequence[int], group: Optional[dist.P
 _EXCHANGE_BYTES = 1 << 30
 
 
-def _to_partitions(rows: Tensor, ids: Tensor, centres: Tensor, bias: Tensor, metric: str,
+def _to_partitions(rows: Tensor, ids: Tensor, partition: Partition,
                    group: Optional[dist.ProcessGroup]) -> Tuple[Tensor, Tensor]:
     """This rank's share of every rank's ``rows`` (and their ids) once each row has gone to the
-    rank of its centre, argmin(distance + bias). The rows move in rounds of at most
+    rank its partition gives it. The rows move in rounds of at most
     ``_EXCHANGE_BYTES`` per rank, each received straight into its place in one buffer, so the
     memory it needs beyond the rows it keeps and gets is one round's."""
     world, n = dist.get_world_size(group), rows.shape[0]
     device = _comm_device(group)
-    parts = (_centre_distances(rows, centres, metric) + bias).argmin(1)
+    parts = partition.ranks(rows)
     per_round = max(1, _EXCHANGE_BYTES // max(1, rows[:1].numel() * rows.element_size()))
     rounds = torch.tensor([-(-n // per_round)], dtype=torch.long, device=device)
     dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=group)
@@ -342,6 +448,48 @@ def _to_partitions(rows: Tensor, ids: Tensor, centres: Tensor, bias: Tensor, met
     return received.to(rows.device), received_ids.to(ids.device)
 
 
+def _routed(local_search, queries: Tensor, pairs: Tensor, k: int,
+            group: Optional[dist.ProcessGroup]) -> Tuple[Tensor, Tensor]:
+    """``(dists, ids)`` [P, k] of (query, rank) ``pairs`` [P, 2]: each pair's query searched on
+    its rank's shard by ``local_search(received_queries, k)`` (one all-to-all of the queries
+    there, one of the answers back; every rank calls it, with pairs or none)."""
+    world = dist.get_world_size(group)
+    order = torch.argsort(pairs[:, 1], stable=True)  # the pairs by the rank they go to
+    counts = torch.bincount(pairs[:, 1], minlength=world).tolist()
+    received, got_counts = _all_to_all_rows(queries[pairs[order, 0]], counts, group)
+    dists, ids = local_search(received, k)
+    # Back where each pair came from: the answers arrive in the order the pairs were sent.
+    device, home = _comm_device(group), queries.device
+    back = torch.empty((pairs.shape[0], k, 3), dtype=torch.int32, device=device)
+    dist.all_to_all_single(back, _packed(dists, ids).to(device), output_split_sizes=counts,
+                           input_split_sizes=got_counts, group=group)
+    answers = torch.empty_like(back)
+    answers[order.to(device)] = back
+    return _unpacked(answers.to(home))
+
+
+def _saved_partition(state: Dict[str, Any], world: int, local: Index) -> Optional[Partition]:
+    """The partition a rank's saved state holds: its cells, or the one centre a rank (no biases)
+    of states saved before cells; checked against the shard's width and the ranks."""
+    saved = state.get("partition")
+    if saved is None and state.get("centres") is not None:  # one centre a rank, routed by nearness
+        saved = {"centres": state["centres"], "bias": None, "owner": torch.arange(world)}
+    if saved is None:
+        return None
+    centres, bias, owner = saved.get("centres"), saved.get("bias"), saved.get("owner")
+    dim = local.data.shape[1]
+    ok = (isinstance(centres, Tensor) and centres.dim() == 2 and centres.shape[1] == dim
+          and isinstance(owner, Tensor) and tuple(owner.shape) == (centres.shape[0],)
+          and bool(((owner >= 0) & (owner < world)).all())
+          and (bias is None or (isinstance(bias, Tensor) and tuple(bias.shape) == (centres.shape[0],))))
+    if not ok:
+        raise ValueError(f"state: partition must hold centres [C, {dim}], owner [C] of ranks below {world} and "
+                         "bias [C] or None")
+    where = local.data.device
+    return Partition(centres.float().to(where), None if bias is None else bias.float().to(where),
+                     owner.long().to(where), world, local.metric)
+
+
 class ShardedIndex:
     """One index over the rows of every rank: each rank holds and searches its own shard.
 
@@ -352,57 +500,64 @@ class ShardedIndex:
     """
 
     def __init__(self, local: Index, offset: int, total: int, group: Optional[dist.ProcessGroup] = None,
-                 user_ids: bool = True, centres: Optional[Tensor] = None, probes: int = 2):
+                 user_ids: bool = True, partition: Optional[Partition] = None, probes: Optional[int] = None):
         """Wrap this rank's ``local`` index (whose search returns global ids) of ``total`` rows
         in all, this shard's first being global id ``offset``. ``user_ids=False`` says the ids
         are rank offset plus row, so that no id of a rank exceeds one of a later rank (a merge of
-        the shards' answers then needs one sort instead of two). ``centres``: float32 [W, D],
-        the partition centres of a partitioned index (rank r's shard holds the rows nearest
-        centre r), which its searches route by; ``probes``: shards a query visits there."""
+        the shards' answers then needs one sort instead of two). ``partition``: where a
+        partitioned index's rows live, which its searches route by; ``probes``: the most shards
+        a query visits there (None: every shard that may hold its neighbours)."""
         self.local, self.offset, self.total, self.group = local, offset, total, group
         self.user_ids = user_ids
-        self.centres, self.probes = centres, probes
+        self.partition, self.probes = partition, probes
         # Without user ids the index numbers the vectors it gets: the next number to give.
         self.next_id: Optional[int] = None
+        # Shards a query of this rank visited in its last search, on average: 1 for a partitioned
+        # index whose queries all stayed in their own shard, the ranks for the all-shards search.
+        self.shards_per_query = float("nan")
 
     @classmethod
     def build(cls, local_data: Tensor, params: Optional[BuildParams] = None, *, metric: ops.Metric = "l2",
               ids: Optional[Tensor] = None, group: Optional[dist.ProcessGroup] = None, progress: Progress = False,
-              partition: bool = False, probes: int = 2, **settings: Any) -> "ShardedIndex":
+              partition: bool = False, probes: Optional[int] = None, **settings: Any) -> "ShardedIndex":
         """Build this rank's shard of ``local_data`` (every rank of ``group`` calls it with its
         own rows, the same width, dtype and metric). ``ids``: optional int64 user ids of the
         local rows (on every rank or none; distinct across all ranks, which is not checked);
         without them a row's id is the rank offset plus its local row.
 
-        ``partition=True``: first place the rows by proximity. A balanced k-means with one
-        centre per rank runs on a sample of all ranks' rows, every row goes to the rank of its
-        centre (all-to-all; its id goes with it, so ids keep naming the rows the callers passed),
-        and searches send each query only to the shards of its ``probes`` nearest centres. The
-        shards then differ in size by a few percent of a share."""
+        ``partition=True``: first place the rows by proximity. A k-means on a sample of all
+        ranks' rows cuts the data into cells (32 a rank), the cells are grouped into one part a
+        rank with their neighbours, and every row goes to the rank of its cell (all-to-all; its
+        id goes with it, so ids keep naming the rows the callers passed). A search sends each
+        query to the shard of its own cell, then, under l2 and cosine, to the other shards that
+        may hold rows nearer than the k-th it found there (:meth:`Partition.reachable`), at most
+        ``probes`` shards in all (None: no limit; under ip, which has no such test, the
+        ``probes`` shards of its nearest cells, 2 if None). The shards differ in size by a few
+        percent of a share."""
         offset, total, sizes = _setup("ShardedIndex.build", group, local_data, metric, has_ids=int(ids is not None),
-                                      partition=int(partition), probes=probes)
+                                      partition=int(partition), probes=-1 if probes is None else probes)
         user_ids = ids is not None
         numbered = ids is None
         if ids is None:
             ids = torch.arange(offset, offset + local_data.shape[0], device=local_data.device)
-        centres = None
+        placed = None
         if partition:
             world = dist.get_world_size(group)
-            if not 1 <= probes <= world:
-                raise ValueError(f"probes: expected 1 <= probes <= {world} (the ranks), got {probes}")
+            if probes is not None and not 1 <= probes <= world:
+                raise ValueError(f"probes: expected 1 <= probes <= {world} (the ranks) or None, got {probes}")
             sizes = _agree(group, "ShardedIndex.build", rows_each=local_data.shape[0])
-            centres, bias = _partition_centres(local_data, metric, [row[0] for row in sizes], group,
-                                               BuildParams.merge(params, seed=settings.get("seed")).seed)
-            local_data, ids = _to_partitions(local_data, ids, centres, bias, metric, group)
+            placed = _partition(local_data, metric, [row[0] for row in sizes], group,
+                                BuildParams.merge(params, seed=settings.get("seed")).seed)
+            local_data, ids = _to_partitions(local_data, ids, placed, group)
             user_ids = True  # a shard's ids no longer follow the ranks
         local = Index.build(local_data, params, metric=metric, ids=ids, progress=progress, **settings)
-        index = cls(local, offset if centres is None else 0, total, group, user_ids, centres, probes)
+        index = cls(local, offset if placed is None else 0, total, group, user_ids, placed, probes)
         index.next_id = total if numbered else None
         return index
 
     def add(self, vectors: Tensor, ids: Optional[Tensor] = None, *, progress: Progress = False) -> None:
         """Add this rank's ``vectors`` [B, D] (every rank calls it, each with its own, possibly
-        none). A partitioned index sends each to the shard of its nearest centre; otherwise they
+        none). A partitioned index sends each to the shard its partition gives it; otherwise they
         join this rank's shard (:meth:`Index.add`). ``ids``: their user ids, on every rank or none,
         as the build had them; without, the vectors are numbered after every id so far, rank by
         rank."""
@@ -416,10 +571,8 @@ class ShardedIndex:
             self.next_id += added
         elif ids.shape != (vectors.shape[0],):
             raise ValueError(f"{what}: ids: expected shape [{vectors.shape[0]}], got {tuple(ids.shape)}")
-        if self.centres is not None:
-            bias = torch.zeros(self.centres.shape[0], device=self.centres.device)
-            vectors, ids = _to_partitions(vectors, ids.to(vectors.device), self.centres, bias, self.local.metric,
-                                          self.group)
+        if self.partition is not None:
+            vectors, ids = _to_partitions(vectors, ids.to(vectors.device), self.partition, self.group)
         if vectors.shape[0] > 0:
             self.local.add(vectors, ids.to(self.local.device), progress=progress)
         self.total += added
@@ -466,40 +619,49 @@ class ShardedIndex:
 
         def local(everyone: Tensor, k: int) -> Tuple[Tensor, Tensor]:
             n = len(self.local)
-            if n == 0:
+            if n == 0 or everyone.shape[0] == 0:  # no rows here, or no query routed here
                 return _no_rows(everyone, k)
             dists, ids = self.local.search(everyone.to(self.local.data.dtype), min(k, n), params=p)
             return padded(dists, ids, k)
 
-        if self.centres is not None:
+        if self.partition is not None:
             return self._search_routed(local, queries, p.k)
+        self.shards_per_query = float(dist.get_world_size(self.group))
         return _search_everywhere(local, queries, p.k, sizes, self.group, ids_follow_ranks=not self.user_ids)
 
     def _search_routed(self, local_search, queries: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-        """A partitioned index's search: each query goes to the shards of its ``probes`` nearest
-        centres only (one all-to-all there, one back), and its answers from them are merged."""
-        world = dist.get_world_size(self.group)
-        probes = min(self.probes, world)
-        q = queries.shape[0]
-        if q > 0:
-            nearest = _centre_distances(queries, self.centres, self.local.metric).topk(probes, dim=1,
-                                                                                       largest=False).indices
+        """A partitioned index's search. Under l2 and cosine (with the partition's biases known)
+        each query first goes to the shard of its own cell, then to the other shards that may
+        hold rows nearer than the k-th found there, the nearest first, ``probes`` shards at most;
+        otherwise to the shards of its ``probes`` nearest cells (2 if None). Its answers from
+        them are merged."""
+        part, world, q = self.partition, dist.get_world_size(self.group), queries.shape[0]
+        scores = part.scores(queries) if q > 0 else torch.zeros(0, part.centres.shape[0], device=queries.device)
+        order = part.rank_order(scores)  # [q, W] the ranks by the query's nearest cell on them
+        d = torch.full((q, world, k), float("inf"), device=queries.device)
+        i = torch.full((q, world, k), -1, dtype=torch.long, device=queries.device)
+        if part.bias is None or part.metric == "ip":
+            visits = order[:, :min(self.probes or 2, world)]
+            pairs = torch.stack([torch.arange(q, device=queries.device).repeat_interleave(visits.shape[1]),
+                                 visits.flatten()], 1)
+            d[pairs[:, 0], pairs[:, 1]], i[pairs[:, 0], pairs[:, 1]] = _routed(local_search, queries, pairs, k,
+                                                                               self.group)
         else:
-            nearest = torch.zeros(0, probes, dtype=torch.long, device=queries.device)
-        targets = nearest.flatten()
-        order = torch.argsort(targets, stable=True)  # (query, probe) pairs by the rank they go to
-        counts = torch.bincount(targets, minlength=world).tolist()
-        received, got_counts = _all_to_all_rows(queries[order // probes], counts, self.group)
-        dists, ids = local_search(received, k)
-        # Back where each pair came from: the answers arrive in the order the pairs were sent.
-        device, home = _comm_device(self.group), queries.device
-        back = torch.empty((q * probes, k, 3), dtype=torch.int32, device=device)
-        dist.all_to_all_single(back, _packed(dists, ids).to(device), output_split_sizes=counts,
-                               input_split_sizes=got_counts, group=self.group)
-        answers = torch.empty_like(back)
-        answers[order.to(device)] = back
-        d, i = _unpacked(answers.view(q, probes * k, 3).to(home))
-        return best_k(d, i, k)
+            home = order[:, 0]
+            first = torch.stack([torch.arange(q, device=queries.device), home], 1)
+            d[first[:, 0], home], i[first[:, 0], home] = _routed(local_search, queries, first, k, self.group)
+            more = part.reachable(scores, d[torch.arange(q, device=queries.device), home, k - 1])
+            more[torch.arange(q, device=queries.device), home] = False
+            if self.probes is not None:  # the nearest probes - 1 of the others
+                ranked = torch.zeros_like(more).scatter_(1, order, torch.arange(world, device=queries.device)
+                                                         .expand(q, -1) < self.probes)
+                more &= ranked
+            pairs = more.nonzero()
+            d[pairs[:, 0], pairs[:, 1]], i[pairs[:, 0], pairs[:, 1]] = _routed(local_search, queries, pairs, k,
+                                                                               self.group)
+            pairs = torch.cat([first, pairs])
+        self.shards_per_query = pairs.shape[0] / max(q, 1)
+        return best_k(d.flatten(1), i.flatten(1), k)
 
     def __len__(self) -> int:
         """Live vectors on all ranks."""
@@ -509,8 +671,8 @@ class ShardedIndex:
         """This rank's shard and where it sits: save one per rank."""
         return {"local": self.local.state_dict(), "offset": self.offset, "total": self.total,
                 "user_ids": self.user_ids, "rank": dist.get_rank(self.group),
-                "world_size": dist.get_world_size(self.group), "centres": self.centres, "probes": self.probes,
-                "next_id": self.next_id}
+                "world_size": dist.get_world_size(self.group), "probes": self.probes, "next_id": self.next_id,
+                "partition": None if self.partition is None else self.partition.state()}
 
     @classmethod
     def from_state_dict(cls, state: Dict[str, Any], group: Optional[dist.ProcessGroup] = None) -> "ShardedIndex":
@@ -522,11 +684,8 @@ class ShardedIndex:
                              f"{rank} of {world}; load each rank's own state in a group of the same size, or all "
                              "of them with ShardedIndex.from_state_dicts")
         local = Index.from_state_dict(state["local"])
-        centres = state.get("centres")
-        if centres is not None and (not isinstance(centres, Tensor) or tuple(centres.shape) != (world, local.data.shape[1])):
-            raise ValueError(f"state: centres must be a [{world}, {local.data.shape[1]}] tensor, one per rank")
         index = cls(local, state["offset"], state["total"], group, state.get("user_ids", True),
-                    None if centres is None else centres.to(local.data.device), state.get("probes", 2))
+                    _saved_partition(state, world, local), state.get("probes"))
         index.next_id = state.get("next_id")
         return index
 
@@ -540,12 +699,12 @@ class ShardedIndex:
         j (r = j, j + S, j + 2S, ... for S saved shards) split its live vectors into equal runs
         and each builds its run's graph anew with the saved settings (a graph's rows have no
         subgraph as good as a build). The ids stay those of the saved index. A partitioned
-        index, whose centres are one per rank, restores onto the same number of ranks only."""
+        index, whose cells belong to ranks, restores onto the same number of ranks only."""
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         saved = len(states)
         if saved == 0 or any(s.get("world_size") != saved or s.get("rank") != j for j, s in enumerate(states)):
             raise ValueError("states: expected every saved rank's state once, in rank order")
-        if saved != world and states[0].get("centres") is not None:
+        if saved != world and (states[0].get("partition") or states[0].get("centres")) is not None:
             raise ValueError(f"states: a partitioned index of {saved} shards restores onto {saved} ranks only, "
                              f"not {world}")
         if saved == world:
