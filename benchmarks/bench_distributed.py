@@ -9,9 +9,10 @@ takes its share as its shard. Rank 0 also runs the one-GPU baselines while the o
   sharded    search of the queries (each rank a share) over all shards  vs  one GPU's index of
              N / W rows searching all the queries (the issue's "half the data"); recall against
              exact neighbours of all N rows, and one GPU's index of all N rows at the same list;
-  partitioned  the same with ShardedIndex.build(partition=True): rows placed by cells of a k-means
-             grouped by rank, each query sent to its own shard and then to the shards the
-             partition's borders say may hold its neighbours (at most --probes; auto: no limit);
+  partitioned  the same with ShardedIndex.build(partition=True, cells=--cells): rows placed by a
+             balanced k-means (--cells cells a rank), each query sent to the --probes shards of its
+             nearest cells (auto: its own, then those the partition's borders say may hold its
+             neighbours);
   replicated the index of N / W rows on every rank, the batch split  vs  that index on one GPU;
   exact      distributed.knn of the queries over the shards  vs  grnnd.knn over all N on one GPU.
 Wall-clock seconds after a CUDA synchronisation and a barrier, median of 3 (builds too). Also:
@@ -131,8 +132,9 @@ def main():
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--big-batch", type=int, default=100_000,
                    help="queries of the second replicated measurement (the query set repeated)")
-    p.add_argument("--probes", default="auto", help="most shards a query visits in the partitioned index "
+    p.add_argument("--probes", default="2", help="shards a query visits in the partitioned index "
                    "(auto: as many as the partition's borders ask)")
+    p.add_argument("--cells", type=int, default=1, help="k-means cells a rank of the partitioned index")
     p.add_argument("--table", nargs="+", help="merge these JSON runs (2, 4 ... GPUs) into one scaling table instead")
     args = p.parse_args()
     if args.table:
@@ -161,7 +163,8 @@ def main():
                             for name in steps[0]}
     parted, r["partitioned_build_s"] = seconds(
         lambda: grnnd.distributed.ShardedIndex.build(
-            mine, partition=True, probes=None if args.probes == "auto" else int(args.probes)), repeat=1)
+            mine, partition=True, probes=None if args.probes == "auto" else int(args.probes), cells=args.cells),
+        repeat=1)
     r["probes"] = args.probes
     r["partition_rows"] = gather_floats(float(len(parted.local)), world)
     (_, i_part), r["partitioned_search_s"] = seconds(lambda: parted.search(my_queries, K, list_size=LIST))
@@ -227,7 +230,7 @@ def main():
                  f"{nq / r['one_gpu_search_s']:,.0f} q/s; all {n:,} rows: recall {r['one_gpu_whole_recall']:.4f} | "
                  f"{r['sharded_qps_ratio']:.2f}x the q/s |",
                  f"| partitioned search, {r['partitioned_shards_per_query']:.2f} of {world} shards a query "
-                 f"(probes {args.probes}; built in "
+                 f"(probes {args.probes}, {args.cells} cells a rank; built in "
                  f"{r['partitioned_build_s']:.2f} s; rows per rank "
                  f"{' / '.join(f'{v:,.0f}' for v in r['partition_rows'])}) | "
                  f"{nq / r['partitioned_search_s']:,.0f} q/s, recall {r.get('partitioned_recall', float('nan')):.4f} | "

@@ -110,6 +110,7 @@ def measure(args) -> None:
     probes = list(dict.fromkeys(v if v == "auto" else min(int(v), world) for v in args.probes.split(",")))
     settings = {"codes": args.codes} if args.codes else {}
     r = {"data": name, **spec, "world": world, "list_size": lists[0], "probes": probes[0], "codes": args.codes,
+         "cells": args.cells,
          "rows_per_rank": counts, "machine": machine(threads=torch.get_num_threads(), cuda=use_cuda)}
     found = {}  # (mode, list, probes) -> this rank's ids; the times go to r["points"]
     points = []
@@ -128,7 +129,7 @@ def measure(args) -> None:
     say(r, "sharded_build")
     del sharded
     parted, r["partitioned_build_s"] = seconds(
-        lambda: grnnd.distributed.ShardedIndex.build(mine, partition=True, **settings), device)
+        lambda: grnnd.distributed.ShardedIndex.build(mine, partition=True, cells=args.cells, **settings), device)
     r["partition_rows"] = gathered(torch.tensor([len(parted.local)], device=device)).tolist()
     for probe in probes:
         parted.probes = None if probe == "auto" else probe
@@ -174,7 +175,8 @@ def write(r: dict, out: str) -> None:
     alone = {p["list"]: p["qps"] for p in r["points"] if p["mode"] == "rank 0 alone"}
     lines = [f"# torch_grnnd.distributed, {r['data']} ({n:,} x {r['d']}), {w} ranks", "",
              f"Machine: {machine_line(r['machine'])}. Each rank made its own {n // w:,} rows; {r['queries']:,} "
-             f"queries at once, recall@10 against distributed.knn; codes: {r.get('codes') or 'none (rows)'}.", "",
+             f"queries at once, recall@10 against distributed.knn; codes: {r.get('codes') or 'none (rows)'}; "
+             f"partition cells a rank: {r.get('cells', 1)}.", "",
              "| search | list | queries/s | recall@10 | vs rank 0 alone |", "|---|---:|---:|---:|---:|"]
     for p in r["points"]:
         mode = p["mode"]
@@ -216,7 +218,8 @@ def main():
     p.add_argument("--data", default="clustered:n=100000000,d=1024,clusters=100000,queries=10000")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--lists", default="64", help="search list sizes, comma-separated (the first is the table's)")
-    p.add_argument("--probes", default="auto", help="most shards a partitioned search visits, comma-separated; "
+    p.add_argument("--cells", type=int, default=1, help="k-means cells a rank of the partitioned index")
+    p.add_argument("--probes", default="2,auto", help="most shards a partitioned search visits, comma-separated; "
                    "auto: as many as the partition's borders ask (the first is the table's)")
     p.add_argument("--codes", default=None, choices=["int8", "int4"], help="search by codes (every index)")
     p.add_argument("--out", default="benchmarks/results")

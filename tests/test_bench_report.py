@@ -94,7 +94,7 @@ def test_the_distributed_scale_benchmark_runs_on_two_cpu_ranks(tmp_path):
     script = "benchmarks.bench_distributed_scale"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
                            script, "--data", "clustered:n=6000,d=16,clusters=20,queries=200", "--device", "cpu",
-                           "--lists", "64,32", "--probes", "auto,1", "--out", str(tmp_path)], capture_output=True, text=True,
+                           "--lists", "64,32", "--probes", "auto,1", "--cells", "16", "--out", str(tmp_path)], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     run = json.load(open(tmp_path / "distributed_scale_clustered-6k-d16-c20_w2.json"))

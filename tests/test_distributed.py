@@ -64,9 +64,9 @@ def worker(rank: int, world: int, init: str, out: str, device: str):
     user = grnnd.distributed.ShardedIndex.build(mine, ids=torch.arange(bounds[rank], bounds[rank + 1]).to(device)
                                                 * 3 + 7)
     result["user_ids"] = user.search(my_queries, 10, list_size=64)[1].cpu()
-    # Partitioned: rows placed by proximity, each query sent to its own shard, then to those
-    # whose cells' borders its k-th distance there reaches (at most probes).
-    parted = grnnd.distributed.ShardedIndex.build(mine, partition=True)
+    # Partitioned: rows placed by proximity (cells of a k-means, grouped by rank), each query sent
+    # to its own shard, then to those whose cells' borders its k-th distance there reaches.
+    parted = grnnd.distributed.ShardedIndex.build(mine, partition=True, probes=None, cells=16)
     result["partition_rows"] = len(parted.local)
     result["partition_ids"] = parted.local.ids.cpu()
     result["partitioned_routed"] = parted.search(my_queries, 10, list_size=64)[1].cpu()
@@ -83,7 +83,7 @@ def worker(rank: int, world: int, init: str, out: str, device: str):
     result["partitioned_everywhere"] = everywhere.search(my_queries, 10, list_size=64)[1].cpu()
     result["everywhere_shards"] = everywhere.shards_per_query
     # Index.build's own settings (codes) pass through a partitioned build.
-    coded = grnnd.distributed.ShardedIndex.build(mine, partition=True, codes="int4")
+    coded = grnnd.distributed.ShardedIndex.build(mine, partition=True, codes="int4")  # a centre a rank, 2 probes
     result["partitioned_int4"] = coded.search(my_queries, 10, list_size=64)[1].cpu()
     # The rows move in rounds bounded in bytes: rounds of 37 rows (a different number of rounds
     # on each rank, the shards being uneven) give each rank the rows one round gives, intact.
@@ -316,7 +316,7 @@ def test_a_shard_the_borders_rule_out_holds_no_neighbour(metric):
     # query lies on a shard that Partition.reachable gives for the query's exact k-th distance.
     for x in (clustered(6000, 16, 30, seed=53), torch.randn(6000, 16, generator=torch.Generator().manual_seed(54))):
         rows, queries = x[:5500], x[5500:]
-        part = grnnd.distributed._plan_partition(rows, 3, metric, seed=0)
+        part = grnnd.distributed._plan_partition(rows, 3, metric, seed=0, cells=16)
         ranks = part.ranks(rows)
         assert torch.bincount(ranks, minlength=3).min() > 0
         dists, ids = grnnd.knn(rows, queries, 10, metric=metric)

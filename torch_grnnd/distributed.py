@@ -6,11 +6,12 @@ number of ranks), with the collectives PyTorch already runs:
 - :class:`ShardedIndex`: each rank indexes its own rows (its shard). A search gathers every
   rank's queries, searches them on every shard, and returns to each rank the best k of its own
   queries over all shards (one all-gather of the queries, one all-to-all of the per-shard top k).
-  Built with ``partition=True``, the rows move first to the rank of their cell (a k-means over
-  all ranks' rows, its cells grouped by rank), and a search sends each query to its own cell's
-  shard and then only to the shards whose cells' borders lie within the k-th distance found there
-  (all-to-alls of the queries and of the answers), so that the work per query does not grow with
-  the number of shards.
+  Built with ``partition=True``, the rows move first to the rank of their cell (a balanced
+  k-means over all ranks' rows: a centre a rank, or cells grouped by rank), and a search sends
+  each query only to the shards of its nearest cells, or to its own cell's shard and then to the
+  shards whose cells' borders lie within the k-th distance found there (all-to-alls of the
+  queries and of the answers), so that the work per query does not grow with the number of
+  shards.
 - :class:`ReplicatedIndex`: every rank holds the whole index; a batch that every rank passes is
   split between them and each rank gets the whole answer (throughput).
 - :func:`knn` and :func:`knn_graph`: exact neighbours over sharded data, the same exchange.
@@ -224,12 +225,11 @@ def knn_graph(local_data: Tensor, k: int, *, metric: ops.Metric = "l2",
     return without_own(dists, ids, torch.arange(offset, offset + local_data.shape[0], device=ids.device)[:, None])
 
 
-# Partitioned shards. A k-means of _CELLS_PER_RANK cells a rank runs on a sample of every rank's
-# rows (_SAMPLE_PER_CELL rows a cell, _PARTITION_ROUNDS Lloyd rounds); the cells are grouped into
-# one part a rank by a k-means of their centres weighted by their rows, and a bias a rank, found
-# in _BALANCE_ROUNDS rounds, evens the parts' rows. Cells much smaller than a shard keep clusters
-# of the data whole where a centre a rank would cut them along the direction between two centres.
-_CELLS_PER_RANK = 32
+# Partitioned shards. A k-means runs on a sample of every rank's rows (_SAMPLE_PER_CELL rows a
+# cell, _PARTITION_ROUNDS Lloyd rounds): one balanced centre a rank, or several cells a rank that
+# are then grouped into one part a rank by a k-means of their centres weighted by their rows; a
+# bias a rank, found in _BALANCE_ROUNDS rounds, evens the parts' rows.
+_PARTITION_SAMPLE = 32_768
 _SAMPLE_PER_CELL = 512  # half fits the cells, half sizes and balances them
 _PARTITION_ROUNDS = 12
 _BALANCE_ROUNDS = 64
@@ -350,19 +350,24 @@ class Partition:
         return {"centres": self.centres, "bias": self.bias, "owner": self.owner}
 
 
-def _plan_partition(sample: Tensor, world: int, metric: str, seed: int) -> Partition:
-    """The partition of ``world`` ranks that a sample of all rows (float32) gives: cells by
-    k-means on one half of it, grouped into parts by a balanced k-means of the cell centres
-    weighted by the rows of the other half in each, then a bias a rank that evens the other
-    half's rows between the ranks. Sizes and balance come from rows the cells were not fitted
+def _plan_partition(sample: Tensor, world: int, metric: str, seed: int, cells: int = 1) -> Partition:
+    """The partition of ``world`` ranks that a sample of all rows (float32) gives. ``cells=1``:
+    a balanced k-means with one centre a rank (each Lloyd round's assignment evened by the bias).
+    More ``cells`` a rank: cells by k-means on one half of the sample, grouped into parts by a
+    balanced k-means of the cell centres weighted by the rows of the other half in each, then a
+    bias a rank that evens the other half's rows between the ranks. Sizes and balance come from rows the cells were not fitted
     to: in high dimensions a cell is nearer to the rows it was fitted to than to other rows of
     the same places (at 100M x 1024 in 100 000 clusters, balanced on the fitted rows, two
     ranks got 36M and 41M rows of 25M shares)."""
     generator = torch.Generator().manual_seed(seed)
+    if cells == 1:
+        centres, _ = _kmeans(sample, world, metric, generator, balanced=True)
+        _, bias = _balanced_parts(_centre_distances(sample, centres, metric))
+        return Partition(centres, bias, torch.arange(world, device=sample.device), world, metric)
     order = torch.randperm(sample.shape[0], generator=generator).to(sample.device)
     half = max(1, sample.shape[0] // 2)
     fit, held = sample[order[:half]], sample[order[half:]] if sample.shape[0] > 1 else sample
-    cells = min(_CELLS_PER_RANK * world, fit.shape[0])
+    cells = min(cells * world, fit.shape[0])
     centres, _ = _kmeans(fit, cells, metric, generator)
     dists = _centre_distances(held, centres, metric)
     rows = torch.bincount(dists.argmin(1), minlength=cells).float()
@@ -376,24 +381,24 @@ def _plan_partition(sample: Tensor, world: int, metric: str, seed: int) -> Parti
 
 
 def _partition(local_data: Tensor, metric: str, sizes: Sequence[int], group: Optional[dist.ProcessGroup],
-               seed: int) -> Partition:
+               seed: int, cells: int) -> Partition:
     """The partition (:func:`_plan_partition`) of a sample of every rank's rows, planned on rank
     0 and broadcast, so that every rank holds the same."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     total = sum(sizes)
-    wanted = _SAMPLE_PER_CELL * _CELLS_PER_RANK * world
+    wanted = max(_PARTITION_SAMPLE, _SAMPLE_PER_CELL * cells * world)
     take = [min(s, -(-wanted * s // max(total, 1))) for s in sizes]
     generator = torch.Generator(device="cpu").manual_seed(seed + rank)
     picked = torch.randperm(sizes[rank], generator=generator)[:take[rank]].to(local_data.device)
     sample = _all_gather_rows(local_data[picked].float(), take, group)
     device = _comm_device(group)
-    cells = torch.zeros(1, dtype=torch.long, device=device)
+    count = torch.zeros(1, dtype=torch.long, device=device)
     if rank == 0:
-        plan = _plan_partition(sample.to(device), world, metric, seed)
-        cells[0] = plan.centres.shape[0]
-    dist.broadcast(cells, 0, group=group)
+        plan = _plan_partition(sample.to(device), world, metric, seed, cells)
+        count[0] = plan.centres.shape[0]
+    dist.broadcast(count, 0, group=group)
     if rank != 0:
-        c = int(cells)
+        c = int(count)
         plan = Partition(torch.empty(c, local_data.shape[1], device=device), torch.empty(c, device=device),
                          torch.empty(c, dtype=torch.long, device=device), world, metric)
     for t in (plan.centres, plan.bias, plan.owner):
@@ -512,8 +517,8 @@ class ShardedIndex:
         in all, this shard's first being global id ``offset``. ``user_ids=False`` says the ids
         are rank offset plus row, so that no id of a rank exceeds one of a later rank (a merge of
         the shards' answers then needs one sort instead of two). ``partition``: where a
-        partitioned index's rows live, which its searches route by; ``probes``: the most shards
-        a query visits there (None: every shard that may hold its neighbours)."""
+        partitioned index's rows live, which its searches route by; ``probes``: the shards a
+        query visits there (None: every shard that may hold its neighbours, see :meth:`build`)."""
         self.local, self.offset, self.total, self.group = local, offset, total, group
         self.user_ids = user_ids
         self.partition, self.probes = partition, probes
@@ -526,23 +531,31 @@ class ShardedIndex:
     @classmethod
     def build(cls, local_data: Tensor, params: Optional[BuildParams] = None, *, metric: ops.Metric = "l2",
               ids: Optional[Tensor] = None, group: Optional[dist.ProcessGroup] = None, progress: Progress = False,
-              partition: bool = False, probes: Optional[int] = None, **settings: Any) -> "ShardedIndex":
+              partition: bool = False, probes: Optional[int] = 2, cells: int = 1,
+              **settings: Any) -> "ShardedIndex":
         """Build this rank's shard of ``local_data`` (every rank of ``group`` calls it with its
         own rows, the same width, dtype and metric). ``ids``: optional int64 user ids of the
         local rows (on every rank or none; distinct across all ranks, which is not checked);
         without them a row's id is the rank offset plus its local row.
 
-        ``partition=True``: first place the rows by proximity. A k-means on a sample of all
-        ranks' rows cuts the data into cells (32 a rank), the cells are grouped into one part a
-        rank with their neighbours, and every row goes to the rank of its cell (all-to-all; its
-        id goes with it, so ids keep naming the rows the callers passed). A search sends each
-        query to the shard of its own cell, then, under l2 and cosine, to the other shards that
-        may hold rows nearer than the k-th it found there (:meth:`Partition.reachable`), at most
-        ``probes`` shards in all (None: no limit; under ip, which has no such test, the
-        ``probes`` shards of its nearest cells, 2 if None). The shards differ in size by a few
-        percent of a share."""
+        ``partition=True``: first place the rows by proximity. A balanced k-means on a sample
+        of all ranks' rows gives each rank a centre (``cells=1``), or cuts the data into
+        ``cells`` cells a rank that are grouped into one part a rank with their neighbours; every
+        row goes to the rank of its cell (all-to-all; its id goes with it, so ids keep naming the
+        rows the callers passed). The shards differ in size by a few percent of a share.
+
+        A search sends each query to the ``probes`` shards of its nearest cells (one exchange).
+        ``probes=None`` (l2 and cosine): to the shard of its own cell, then to every other shard
+        that may hold rows nearer than the k-th it found there (:meth:`Partition.reachable`; a
+        second exchange), which finds what a search of every shard finds. That pays where
+        neighbourhoods seldom cross the cells' borders: in a few dimensions, and with many cells
+        a rank, which keep small clusters whole there. In hundreds of dimensions every border is
+        near every query and it visits every shard; there, and with cells a rank, a cluster that
+        the sample missed can be split between the ranks (``benchmarks/README.md``, several
+        GPUs)."""
         offset, total, sizes = _setup("ShardedIndex.build", group, local_data, metric, has_ids=int(ids is not None),
-                                      partition=int(partition), probes=-1 if probes is None else probes)
+                                      partition=int(partition), probes=-1 if probes is None else probes,
+                                      cells=cells)
         user_ids = ids is not None
         numbered = ids is None
         if ids is None:
@@ -553,8 +566,10 @@ class ShardedIndex:
             if probes is not None and not 1 <= probes <= world:
                 raise ValueError(f"probes: expected 1 <= probes <= {world} (the ranks) or None, got {probes}")
             sizes = _agree(group, "ShardedIndex.build", rows_each=local_data.shape[0])
+            if cells < 1:
+                raise ValueError(f"cells: expected at least 1 a rank, got {cells}")
             placed = _partition(local_data, metric, [row[0] for row in sizes], group,
-                                BuildParams.merge(params, seed=settings.get("seed")).seed)
+                                BuildParams.merge(params, seed=settings.get("seed")).seed, cells)
             local_data, ids = _to_partitions(local_data, ids, placed, group)
             user_ids = True  # a shard's ids no longer follow the ranks
         local = Index.build(local_data, params, metric=metric, ids=ids, progress=progress, **settings)
@@ -637,32 +652,27 @@ class ShardedIndex:
         return _search_everywhere(local, queries, p.k, sizes, self.group, ids_follow_ranks=not self.user_ids)
 
     def _search_routed(self, local_search, queries: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-        """A partitioned index's search. Under l2 and cosine (with the partition's biases known)
-        each query first goes to the shard of its own cell, then to the other shards that may
-        hold rows nearer than the k-th found there, the nearest first, ``probes`` shards at most;
-        otherwise to the shards of its ``probes`` nearest cells (2 if None). Its answers from
-        them are merged."""
+        """A partitioned index's search: each query to the ``probes`` shards of its nearest
+        cells, or with ``probes=None`` (l2 and cosine, the partition's biases known) to the shard
+        of its own cell and then to the other shards that may hold rows nearer than the k-th
+        found there (ip and older partitions: 2 shards). Its answers from them are merged."""
         part, world, q = self.partition, dist.get_world_size(self.group), queries.shape[0]
+        every = torch.arange(q, device=queries.device)
         scores = part.scores(queries) if q > 0 else torch.zeros(0, part.centres.shape[0], device=queries.device)
         order = part.rank_order(scores)  # [q, W] the ranks by the query's nearest cell on them
         d = torch.full((q, world, k), float("inf"), device=queries.device)
         i = torch.full((q, world, k), -1, dtype=torch.long, device=queries.device)
-        if part.bias is None or part.metric == "ip":
+        if self.probes is not None or part.bias is None or part.metric == "ip":
             visits = order[:, :min(self.probes or 2, world)]
-            pairs = torch.stack([torch.arange(q, device=queries.device).repeat_interleave(visits.shape[1]),
-                                 visits.flatten()], 1)
+            pairs = torch.stack([every.repeat_interleave(visits.shape[1]), visits.flatten()], 1)
             d[pairs[:, 0], pairs[:, 1]], i[pairs[:, 0], pairs[:, 1]] = _routed(local_search, queries, pairs, k,
                                                                                self.group)
         else:
             home = order[:, 0]
-            first = torch.stack([torch.arange(q, device=queries.device), home], 1)
-            d[first[:, 0], home], i[first[:, 0], home] = _routed(local_search, queries, first, k, self.group)
-            more = part.reachable(scores, d[torch.arange(q, device=queries.device), home, k - 1])
-            more[torch.arange(q, device=queries.device), home] = False
-            if self.probes is not None:  # the nearest probes - 1 of the others
-                ranked = torch.zeros_like(more).scatter_(1, order, torch.arange(world, device=queries.device)
-                                                         .expand(q, -1) < self.probes)
-                more &= ranked
+            first = torch.stack([every, home], 1)
+            d[every, home], i[every, home] = _routed(local_search, queries, first, k, self.group)
+            more = part.reachable(scores, d[every, home, k - 1])
+            more[every, home] = False
             pairs = more.nonzero()
             d[pairs[:, 0], pairs[:, 1]], i[pairs[:, 0], pairs[:, 1]] = _routed(local_search, queries, pairs, k,
                                                                                self.group)
