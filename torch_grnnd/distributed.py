@@ -315,6 +315,9 @@ class Partition:
             c = torch.nn.functional.normalize(c, dim=1)
         # Twice the distance between each two cells' centres: the scale of their power border.
         self._apart = (2 * torch.cdist(c, c)).fill_diagonal_(float("inf")).clamp_min(1e-30)
+        # A centre a rank, in rank order: the cells' order is the ranks' (no reduction per rank).
+        self._cell_a_rank = self.owner.numel() == self.world and bool(
+            (self.owner == torch.arange(self.world, device=self.owner.device)).all())
 
     def scores(self, x: Tensor) -> Tensor:
         """float32 [n, C]: each row's power (distance + bias) to each cell."""
@@ -328,6 +331,8 @@ class Partition:
 
     def rank_order(self, scores: Tensor) -> Tensor:
         """int64 [n, W]: the ranks by each row's best cell on them, nearest first."""
+        if self._cell_a_rank:
+            return scores.argsort(1)
         best = torch.full((scores.shape[0], self.world), float("inf"), device=scores.device)
         best.scatter_reduce_(1, self.owner.expand(scores.shape[0], -1), scores, reduce="amin")
         return best.argsort(1)
@@ -660,24 +665,23 @@ class ShardedIndex:
         every = torch.arange(q, device=queries.device)
         scores = part.scores(queries) if q > 0 else torch.zeros(0, part.centres.shape[0], device=queries.device)
         order = part.rank_order(scores)  # [q, W] the ranks by the query's nearest cell on them
-        d = torch.full((q, world, k), float("inf"), device=queries.device)
-        i = torch.full((q, world, k), -1, dtype=torch.long, device=queries.device)
         if self.probes is not None or part.bias is None or part.metric == "ip":
             visits = order[:, :min(self.probes or 2, world)]
             pairs = torch.stack([every.repeat_interleave(visits.shape[1]), visits.flatten()], 1)
-            d[pairs[:, 0], pairs[:, 1]], i[pairs[:, 0], pairs[:, 1]] = _routed(local_search, queries, pairs, k,
-                                                                               self.group)
-        else:
-            home = order[:, 0]
-            first = torch.stack([every, home], 1)
-            d[every, home], i[every, home] = _routed(local_search, queries, first, k, self.group)
-            more = part.reachable(scores, d[every, home, k - 1])
-            more[every, home] = False
-            pairs = more.nonzero()
-            d[pairs[:, 0], pairs[:, 1]], i[pairs[:, 0], pairs[:, 1]] = _routed(local_search, queries, pairs, k,
-                                                                               self.group)
-            pairs = torch.cat([first, pairs])
-        self.shards_per_query = pairs.shape[0] / max(q, 1)
+            d, i = _routed(local_search, queries, pairs, k, self.group)  # query-major: [q x probes, k]
+            self.shards_per_query = float(visits.shape[1])
+            return best_k(d.view(q, visits.shape[1] * k), i.view(q, visits.shape[1] * k), k)
+        d = torch.full((q, world, k), float("inf"), device=queries.device)
+        i = torch.full((q, world, k), -1, dtype=torch.long, device=queries.device)
+        home = order[:, 0]
+        first = torch.stack([every, home], 1)
+        d[every, home], i[every, home] = _routed(local_search, queries, first, k, self.group)
+        more = part.reachable(scores, d[every, home, k - 1])
+        more[every, home] = False
+        pairs = more.nonzero()
+        d[pairs[:, 0], pairs[:, 1]], i[pairs[:, 0], pairs[:, 1]] = _routed(local_search, queries, pairs, k,
+                                                                           self.group)
+        self.shards_per_query = 1 + pairs.shape[0] / max(q, 1)
         return best_k(d.flatten(1), i.flatten(1), k)
 
     def __len__(self) -> int:
