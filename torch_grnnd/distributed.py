@@ -341,8 +341,8 @@ class Partition:
         """bool [n, W]: the shards that may hold rows within ``radius_sq`` (a distance under the
         metric: squared l2, or 1 - cos) of each row whose ``scores`` these are. A cell j can hold
         such a row only if the border between it and the row's own cell h, the hyperplane where
-        their powers are equal, lies within that radius: (power_j - power_h) / (2 |c_j - c_h|),
-        on unit vectors for cosine (where squared l2 is twice 1 - cos). The borders are taken a
+        their powers are equal, lies within that radius: ``(power_j - power_h) / (2 norm(c_j -
+        c_h))``, on unit vectors for cosine (where squared l2 is twice 1 - cos). The borders are taken a
         thousandth nearer for float32's rounding."""
         own = scores.argmin(1)
         to_sq_l2 = 2.0 if self.metric == "cosine" else 1.0
