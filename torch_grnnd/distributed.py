@@ -282,10 +282,10 @@ def _kmeans(x: Tensor, k: int, metric: str, generator: torch.Generator, weights:
     first = torch.randperm(x.shape[0], generator=generator)[:k].to(x.device)
     c = x[first].clone()
     w = torch.ones(x.shape[0], device=x.device) if weights is None else weights.float()
-    for _ in range(_PARTITION_ROUNDS + 1):
+    for round_ in range(_PARTITION_ROUNDS + 1):
         dists = _centre_distances(x, c, metric)
         parts = _balanced_parts(dists, w)[0] if balanced else dists.argmin(1)
-        if _ == _PARTITION_ROUNDS:
+        if round_ == _PARTITION_ROUNDS:  # the last assignment, to the final centres
             break
         sums = torch.zeros_like(c).index_add_(0, parts, x * w[:, None])
         counts = torch.zeros(k, device=x.device).index_add_(0, parts, w)[:, None]
@@ -342,8 +342,8 @@ class Partition:
         metric: squared l2, or 1 - cos) of each row whose ``scores`` these are. A cell j can hold
         such a row only if the border between it and the row's own cell h, the hyperplane where
         their powers are equal, lies within that radius: ``(power_j - power_h) / (2 norm(c_j -
-        c_h))``, on unit vectors for cosine (where squared l2 is twice 1 - cos). The borders are taken a
-        thousandth nearer for float32's rounding."""
+        c_h))``, on unit vectors for cosine (where squared l2 is twice 1 - cos). The borders are
+        taken a thousandth nearer for float32's rounding."""
         own = scores.argmin(1)
         to_sq_l2 = 2.0 if self.metric == "cosine" else 1.0
         gap = to_sq_l2 * (scores - scores.gather(1, own[:, None])) / self._apart[own]
@@ -360,10 +360,10 @@ def _plan_partition(sample: Tensor, world: int, metric: str, seed: int, cells: i
     a balanced k-means with one centre a rank (each Lloyd round's assignment evened by the bias).
     More ``cells`` a rank: cells by k-means on one half of the sample, grouped into parts by a
     balanced k-means of the cell centres weighted by the rows of the other half in each, then a
-    bias a rank that evens the other half's rows between the ranks. Sizes and balance come from rows the cells were not fitted
-    to: in high dimensions a cell is nearer to the rows it was fitted to than to other rows of
-    the same places (at 100M x 1024 in 100 000 clusters, balanced on the fitted rows, two
-    ranks got 36M and 41M rows of 25M shares)."""
+    bias a rank that evens the other half's rows between the ranks. Sizes and balance come from
+    rows the cells were not fitted to: in high dimensions a cell is nearer to the rows it was
+    fitted to than to other rows of the same places (at 100M x 1024 in 100 000 clusters,
+    balanced on the fitted rows, two ranks got 36M and 41M rows of 25M shares)."""
     generator = torch.Generator().manual_seed(seed)
     if cells == 1:
         centres, _ = _kmeans(sample, world, metric, generator, balanced=True)
@@ -400,16 +400,17 @@ def _partition(local_data: Tensor, metric: str, sizes: Sequence[int], group: Opt
     count = torch.zeros(1, dtype=torch.long, device=device)
     if rank == 0:
         plan = _plan_partition(sample.to(device), world, metric, seed, cells)
+        parts = [plan.centres, plan.bias, plan.owner]
         count[0] = plan.centres.shape[0]
     dist.broadcast(count, 0, group=group)
     if rank != 0:
         c = int(count)
-        plan = Partition(torch.empty(c, local_data.shape[1], device=device), torch.empty(c, device=device),
-                         torch.empty(c, dtype=torch.long, device=device), world, metric)
-    for t in (plan.centres, plan.bias, plan.owner):
+        parts = [torch.empty(c, local_data.shape[1], device=device), torch.empty(c, device=device),
+                 torch.empty(c, dtype=torch.long, device=device)]
+    for t in parts:
         dist.broadcast(t, 0, group=group)
-    here = local_data.device
-    return Partition(plan.centres.to(here), plan.bias.to(here), plan.owner.to(here), world, metric)
+    centres, bias, owner = (t.to(local_data.device) for t in parts)
+    return Partition(centres, bias, owner, world, metric)
 
 
 def _all_to_all_rows(rows: Tensor, counts: Sequence[int], group: Optional[dist.ProcessGroup]) -> Tuple[Tensor, List[int]]:
