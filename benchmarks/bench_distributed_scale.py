@@ -183,7 +183,7 @@ def write(r: dict, out: str) -> None:
         if p["probes"] == "auto":
             mode += f", routed by borders ({p['shards_per_query']:.2f} of {w} shards a query)"
         elif p["probes"]:
-            mode += f", at most {p['probes']} of {w} shards ({p['shards_per_query']:.2f} a query)"
+            mode += f", {p['probes']} of {w} shards"
         lines.append(f"| {mode} | {p['list']} | {p['qps']:,.0f} | {p.get('recall', float('nan')):.4f} | "
                      f"{p['qps'] / alone[p['list']]:.2f}x |")
     lines += ["", "| build | s |", "|---|---:|", f"| all shards | {r['sharded_build_s']:.2f} |",
@@ -219,7 +219,7 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--lists", default="64", help="search list sizes, comma-separated (the first is the table's)")
     p.add_argument("--cells", type=int, default=1, help="k-means cells a rank of the partitioned index")
-    p.add_argument("--probes", default="2,auto", help="most shards a partitioned search visits, comma-separated; "
+    p.add_argument("--probes", default="2,auto", help="shards a partitioned search visits, comma-separated; "
                    "auto: as many as the partition's borders ask (the first is the table's)")
     p.add_argument("--codes", default=None, choices=["int8", "int4"], help="search by codes (every index)")
     p.add_argument("--out", default="benchmarks/results")
