@@ -60,6 +60,18 @@ def memory_bandwidth() -> float:
     return 2 * clock_khz * 1e3 * bus_bits / 8
 
 
+def code_spec(spec: str):
+    """(kind, cells) of a --codes entry: "int8", "int4" (cells None: the default) or "int4@C"."""
+    kind, _, cells = spec.partition("@")
+    return kind, int(cells) if cells else None
+
+
+def code_label(codes) -> str:
+    """The kind, and for int4 codes about C > 1 cells "int4@C" (about one centre: "int4", the
+    codes of earlier versions)."""
+    return codes.kind if codes.kind != "int4" or codes.cells == 1 else f"{codes.kind}@{codes.cells}"
+
+
 def search_curve(base, graph, queries, gt, batch, lists, widths, codes=None):
     curve = []
     q = queries[:batch]
@@ -76,7 +88,8 @@ def search_curve(base, graph, queries, gt, batch, lists, widths, codes=None):
             curve.append({"param": f"list={lst},width={width}", "recall": grnnd.recall(ids, gt[:batch], 10),
                           "qps": qps, "dists_per_query": dists, "bytes_per_query": read,
                           "bandwidth_share": read * qps / peak if peak else 0.0})
-            print(f"  search{' ' + codes.kind if codes is not None else ''} list={lst:4d} width={width}: recall@10 "
+            label = f" {code_label(codes)}" if codes is not None else ""
+            print(f"  search{label} list={lst:4d} width={width}: recall@10 "
                   f"{curve[-1]['recall']:.4f} {qps:12,.0f} q/s, {dists:,.0f} distances/query, "
                   f"{read / 1e6:.2f} MB/query, {curve[-1]['bandwidth_share']:.0%} of peak bandwidth", flush=True)
     return curve
@@ -125,7 +138,7 @@ def small_batches(base, graph, queries, gt, lists, searches, batches=(1, 10, 100
                 ms = (time.perf_counter() - start) / (rounds * len(slices)) * 1000
                 counts = torch.cat([grnnd.search_distance_counts(base, graph, q, 10, list_size=lst, searches=split,
                                                                  codes=codes) for q in slices])
-                rows.append([codes.kind if codes is not None else "none", batch, lst, split or "auto", ms,
+                rows.append([code_label(codes) if codes is not None else "none", batch, lst, split or "auto", ms,
                              batch / ms * 1000,
                              grnnd.recall(torch.cat(ids), truth, 10), counts.float().mean().item()])
                 print(f"  small batch codes={rows[-1][0]} batch={batch} list={lst} searches={split or 'auto'}: "
@@ -151,7 +164,8 @@ def main():
     p.add_argument("--small-lists", default="32,64,96", help="list sizes of --small-batches")
     p.add_argument("--split-searches", default="0,1", help="searches per query of --small-batches (0 = auto)")
     p.add_argument("--build", default="", help="build params, e.g. pool_size=64,inner_iters=8")
-    p.add_argument("--codes", default="", help="comma-separated code kinds (int8) to search by as well, same graph")
+    p.add_argument("--codes", default="", help="comma-separated code kinds to search by as well, same graph: "
+                   "int8, int4, or int4@C for int4 codes about C cells (int4: as grnnd.encode chooses)")
     p.add_argument("--compare", default="", help="a previous run's JSON (same data, same GPU model): flag every "
                    "point more than 5%% slower at equal recall, and exit with status 3 if there is one")
     p.add_argument("--sweep", nargs="*", default=[], help="build configurations to compare, each like --build")
@@ -192,12 +206,15 @@ def main():
                     "bytes_per_vector": graph.shape[1] * 4 + base.shape[1] * base.element_size(),
                     "curve": search_curve(base, graph, queries, gt, args.batch, lists, widths)})
     code_sets = [None]
-    for kind in filter(None, args.codes.split(",")):
-        codes, encode_s = cuda_time(lambda: grnnd.encode(base, kind))
+    for spec in filter(None, args.codes.split(",")):
+        kind, cells = code_spec(spec)
+        codes, encode_s = cuda_time(lambda: grnnd.encode(base, kind, cells=cells))
         code_sets.append(codes)
-        print(f"grnnd encode {kind}: {encode_s:.3f} s, {codes.rows.shape[1]} bytes per row", flush=True)
-        methods.append({"name": f"torch_grnnd, {kind} codes + exact re-rank", "build_s": build_s + encode_s,
-                        "params": {**params, "codes": kind}, "encode_s": encode_s,
+        print(f"grnnd encode {spec}: {encode_s:.3f} s, {codes.rows.shape[1]} bytes per row"
+              f"{f', {codes.cells} cells' if kind == 'int4' else ''}", flush=True)
+        methods.append({"name": f"torch_grnnd, {code_label(codes)} codes + exact re-rank",
+                        "build_s": build_s + encode_s,
+                        "params": {**params, "codes": kind, "cells": codes.cells}, "encode_s": encode_s,
                         "bytes_per_vector": graph.shape[1] * 4 + codes.rows.shape[1],
                         "curve": search_curve(base, graph, queries, gt, args.batch, lists, widths, codes)})
 

@@ -198,8 +198,9 @@ SearchCodes check_search_codes(const c10::optional<at::Tensor>& codes, const c10
   TORCH_CHECK_TYPE(code_grid->scalar_type() == at::kFloat, "code_grid: expected float32, got ",
                    code_grid->scalar_type());
   const int kind = code_grid->dim() == 2 && code_grid->size(1) == dim ? code_kind_of(code_grid->size(0), dim) : -1;
-  TORCH_CHECK_VALUE(kind >= 0, "code_grid: expected shape [2, ", dim, "] (int8: offsets and steps) or [", dim + 1, ", ",
-                    dim, "] (int4: rotation and centre), got ", code_grid->sizes());
+  TORCH_CHECK_VALUE(kind >= 0, "code_grid: expected shape [2, ", dim, "] (int8: offsets and steps) or [", dim,
+                    " + C, ", dim, "] with 1 <= C <= ", kMaxInt4Cells, " (int4: rotation and cell centres), got ",
+                    code_grid->sizes());
   const CodeKind code_kind = static_cast<CodeKind>(kind);
   const int64_t row_bytes = code_row_bytes(dim, metric, code_kind);
   TORCH_CHECK_TYPE(codes->scalar_type() == at::kByte, "codes: expected uint8, got ", codes->scalar_type());

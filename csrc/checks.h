@@ -53,7 +53,7 @@ void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const 
                          const c10::optional<at::Tensor>& filter);
 // The codes a search traverses by (csrc/codes.h), or neither tensor: codes uint8
 // [n, code_row_bytes(dim, metric, kind)] and code_grid float32, [2, dim] for int8 (offsets,
-// steps) or [dim + 1, dim] for int4 (rotation, centre), on the queries' device; returned
+// steps) or [dim + C, dim] for int4 (rotation, C cell centres), on the queries' device; returned
 // contiguous and 16-byte aligned (copied where they are not).
 struct SearchCodes {
   at::Tensor codes;  // undefined: the traversal reads the rows

@@ -49,18 +49,21 @@ GRNND_HOST_DEVICE int64_t code_bytes(int64_t dim, CodeKind kind) {
 }
 
 // Bytes of one code row: its codes, then a 16-byte tail where the kind needs one (int8: the
-// row's norm term under l2; int4: its scale and norm term under every metric).
+// row's norm term under l2; int4: its alpha, K and cell under every metric).
 GRNND_HOST_DEVICE int64_t code_row_bytes(int64_t dim, Metric metric, CodeKind kind = CodeKind::kInt8) {
   const bool tail = kind == CodeKind::kInt4 || metric == Metric::kL2;
   return code_bytes(dim, kind) + (tail ? 16 : 0);
 }
 
+// The most cells an int4 grid holds (below): a query keeps a dot per cell, 4 bytes each.
+constexpr int64_t kMaxInt4Cells = 4096;
+
 // The kind whose grid has `grid_rows` rows for rows of `dim`: int8 grids are [2, dim] (offsets,
-// steps), int4 grids [dim + 1, dim] (the rotation, then the centre); int4 needs dim >= 2, so
-// the shapes never meet. -1: neither.
+// steps), int4 grids [dim + C, dim] (the rotation, then C cell centres, below); int4 needs
+// dim >= 2, so the shapes never meet. -1: neither.
 inline int code_kind_of(int64_t grid_rows, int64_t dim) {
   if (grid_rows == 2) return static_cast<int>(CodeKind::kInt8);
-  if (dim >= 2 && grid_rows == dim + 1) return static_cast<int>(CodeKind::kInt4);
+  if (dim >= 2 && grid_rows > dim && grid_rows - dim <= kMaxInt4Cells) return static_cast<int>(CodeKind::kInt4);
   return -1;
 }
 
@@ -122,28 +125,37 @@ GRNND_HOST_DEVICE float code_distance(int32_t hi_dot, int32_t lo_dot, float scal
 // add them. The CPU runs the same steps, so both get the same constant.
 constexpr int kCodeConstantLanes = 32;
 
-// ---- int4: 4-bit codes of the rotated rows (after RaBitQ, seeds/README.md) ----
+// ---- int4: 4-bit codes of the rotated rows, each about its cell's centre (after RaBitQ and
+// IVF-RaBitQ, seeds/README.md) ----
 //
-// Encoding (torch_grnnd/codes.py): a random orthogonal matrix P (fixed seed) and the centre c of
-// the rows (cosine rows once normalised). A row x is coded by r = P (x - c): with a step t_x of
-// its own, u_d = clamp(round(r_d / t_x + 7.5), 0, 15), so v = u - 7.5 lies on a grid symmetric
-// about 0; t_x is the step, of a few tried, whose v points closest to r's direction. Rotated,
-// every coordinate carries about the same share of the row, so one step per row fits them all.
+// Encoding (torch_grnnd/codes.py): a random orthogonal matrix P (fixed seed) and C >= 1 cell
+// centres c_0 .. c_{C-1} (k-means of the rows; cosine rows once normalised). A row x of cell j
+// (its nearest centre) is coded by r = P e, e = x - c_j: with a step t_x of its own,
+// u_d = clamp(round(r_d / t_x + 7.5), 0, 15), so v = u - 7.5 lies on a grid symmetric about 0;
+// t_x is the step, of a few tried, whose v points closest to r's direction. Rotated, every
+// coordinate carries about the same share of the row, so one step per row fits them all.
 //
-// Estimate: <r, y> ~ alpha <v, y> with alpha = |r|^2 / <v, r>, RaBitQ's estimator: exact for
-// y = r, and in that paper's analysis unbiased over random rotations; without the division by
-// <v, r> it would shrink every inner product by about cos(v, r).
-// Distances, with y = P (q - c) under l2 and y = P q otherwise:
-//   l2:     |q - c|^2 + |r|^2 - 2 alpha <v, y>
-//   ip:     -<q, c> - alpha <v, y>
-//   cosine: 1 - <q, c> - alpha <v, y>               (q normalised)
-// y is quantised as for int8 (16-bit levels A_d, split into bytes) and <v, A> = <u, A> - 7.5 sum A
-// is computed in integers, as e = 2 <u, A> - 15 sum A, so <v, y> ~ scale e / 2.
+// Estimate: <e, w> ~ alpha <v, P w> with alpha = |r|^2 / <v, r>, RaBitQ's estimator: exact for
+// w = e, and in that paper's analysis unbiased over random rotations. Its error grows with
+// |e| |w|, so it is applied to w = q - c_j, the query about the row's own centre: rows of one
+// tight cluster are told apart by their small e, not lost in the cluster's offset from one
+// global centre (on clustered rows recall at a short list fell 0.1-0.2 with a single centre).
+// With y = P (q - c_0) under l2 and y = P q otherwise, W_j = c_j - c_0 under l2 and c_j
+// otherwise, and the query's cell dots t_j = <q - c_0, W_j> (l2) or <q, W_j>:
+//   l2:     |q - x|^2 = |q - c_0|^2 - 2 t_j + K - 2 alpha <v, y>,  K = |W_j|^2 + |r|^2 + 2 alpha <v, P W_j>
+//   ip:     -<q, x>   = -t_j + K - alpha <v, y>,                   K = alpha <v, P c_j> - <c_j, e>
+//   cosine: 1 - <q, x> = 1 - t_j + K - alpha <v, y>                (q normalised)
+// so a row keeps one float K beside alpha, and the query computes y and its C dots once
+// (int4_rotation_step, in order) and looks up t_j per row. y is quantised as for int8 (16-bit
+// levels A_d, split into bytes) and <v, A> = <u, A> - 7.5 sum A is computed in integers, as
+// e = 2 <u, A> - 15 sum A, so <v, y> ~ scale e / 2.
 //
 // Layout of a row: [code_dims / 2 bytes: byte j holds u_{2j} in its low and u_{2j+1} in its high
-// nibble, zero padded] [16 bytes: float32 alpha, float32 |r|^2, 8 bytes of padding]. The grid:
-// float32 [D + 1, D], rows 0..D-1 the rotation transposed (row d holds P's column d, so that
-// y = u @ grid[:D] for a row vector u), row D the centre.
+// nibble, zero padded] [16 bytes: float32 alpha, float32 K, int32 cell j, 4 bytes of padding].
+// The grid: float32 [D + C, D], rows 0..D-1 the rotation transposed (row d holds P's column d,
+// so that y = u @ grid[:D] for a row vector u), rows D..D+C-1 the centres. With C = 1 and l2 this
+// is the single-centre layout of earlier versions, whose codes it reads unchanged (W_0 = 0,
+// K = |r|^2, cell 0); earlier ip and cosine codes had no K and are coded again on loading.
 
 constexpr float kInt4HalfRange = 7.5f;  // v = u - 7.5, u in [0, 15]
 
@@ -156,27 +168,50 @@ GRNND_HOST_DEVICE int64_t int4_query_slot(int64_t d) {
   return d - in_word + (in_word % 2) * 4 + in_word / 2;
 }
 
-// One step of y_i = sum_d grid[d][i] u_d, taken over d in order on both devices (u_d = q_d - c_d
-// under l2, q_d otherwise).
+// One step of y_i = sum_d grid[d][i] u_d, or of the cell dot t_j = sum_d W_jd u_d, taken over d
+// in order on both devices (u_d = q_d - c_0d under l2, q_d otherwise).
 GRNND_HOST_DEVICE float int4_rotation_step(float acc, float rotation, float u) { return fmaf(rotation, u, acc); }
 
 GRNND_HOST_DEVICE float int4_rotation_input(float q, float centre, Metric metric) {
   return metric == Metric::kL2 ? q - centre : q;
 }
 
-// The distance from the integer sums <hi, u>, <lo, u> and sum A, the query's scale and bias, and
-// the row's alpha and |r|^2 (read under l2 only). Rounded one step at a time on both devices.
+// W_jd from the grid's centres c_jd and c_0d.
+GRNND_HOST_DEVICE float int4_cell_offset(float cell, float first_cell, Metric metric) {
+  return metric == Metric::kL2 ? cell - first_cell : cell;
+}
+
+// The row's cell, clamped into the grid (a damaged code row must not read outside the dots).
+GRNND_HOST_DEVICE uint32_t int4_cell_of(uint32_t stored, int64_t cells) {
+  return stored < static_cast<uint64_t>(cells) ? stored : static_cast<uint32_t>(cells - 1);
+}
+
+// The constant of a query's distances to rows of cell j: |q - c_0|^2 - 2 t_j (l2; `constant` is
+// |q - c_0|^2, code_bias's), -t_j (ip) or 1 - t_j (cosine). 2 t_j is exact, so one rounding.
+GRNND_HOST_DEVICE float int4_cell_bias(float constant, float cell_dot, Metric metric) {
+#if defined(__CUDA_ARCH__)
+  return metric == Metric::kL2 ? __fsub_rn(constant, 2.0f * cell_dot)
+         : metric == Metric::kIP ? -cell_dot
+                                 : __fsub_rn(1.0f, cell_dot);
+#else
+  return metric == Metric::kL2 ? constant - 2.0f * cell_dot : metric == Metric::kIP ? -cell_dot : 1.0f - cell_dot;
+#endif
+}
+
+// The distance from the integer sums <hi, u>, <lo, u> and sum A, the query's scale, the bias of
+// the row's cell (int4_cell_bias), and the row's alpha and K. Rounded one step at a time on both
+// devices.
 GRNND_HOST_DEVICE float int4_code_distance(int32_t hi_dot, int32_t lo_dot, int32_t level_sum, float scale,
-                                           float bias, float alpha, float norm, Metric metric) {
+                                           float bias, float alpha, float k, Metric metric) {
   const int64_t dot = static_cast<int64_t>(hi_dot) * 256 + lo_dot;
   const float e = static_cast<float>(2 * dot - 15 * static_cast<int64_t>(level_sum));
   const float half_scale = 0.5f * scale;  // exact
 #if defined(__CUDA_ARCH__)
   const float inner = __fmul_rn(__fmul_rn(e, half_scale), alpha);
-  return metric == Metric::kL2 ? __fadd_rn(__fsub_rn(bias, __fmul_rn(2.0f, inner)), norm) : __fsub_rn(bias, inner);
+  return __fadd_rn(__fsub_rn(bias, metric == Metric::kL2 ? __fmul_rn(2.0f, inner) : inner), k);
 #else
   const float inner = (e * half_scale) * alpha;
-  return metric == Metric::kL2 ? (bias - 2.0f * inner) + norm : bias - inner;
+  return (bias - (metric == Metric::kL2 ? 2.0f * inner : inner)) + k;
 #endif
 }
 

@@ -213,14 +213,16 @@ def out_of_core(g: torch.Generator):
 def codes(g: torch.Generator):
     """Searches by 8-bit and 4-bit codes with the exact re-rank: each storage type and metric,
     dimensions that are and are not multiples of 16 (32), each loop, a filter, split searches,
-    pinned host rows, the query rotation of int4 for batches below and above 64 queries. Small
-    enough for racecheck."""
+    pinned host rows, the query rotation of int4 for batches below and above 64 queries, int4
+    about one cell and about more cells than dimensions. Small enough for racecheck."""
     for dtype, metric, dim, kind in [(torch.float32, "l2", 48, "int8"), (torch.float16, "cosine", 40, "int8"),
                                      (torch.bfloat16, "ip", 1100, "int8"), (torch.float32, "l2", 40, "int4"),
-                                     (torch.float16, "cosine", 300, "int4"), (torch.bfloat16, "ip", 70, "int4")]:
+                                     (torch.float16, "cosine", 300, "int4"), (torch.bfloat16, "ip", 70, "int4"),
+                                     (torch.float32, "l2", 40, "int4@1"), (torch.float16, "ip", 24, "int4@200")]:
         data = torch.randn(2000, dim, generator=g, device="cuda").to(dtype)
         graph = grnnd.build(data, metric=metric, outer_iters=1, inner_iters=1)
-        coded = grnnd.encode(data, kind, metric=metric)
+        kind, _, cells = kind.partition("@")  # int4 about the default cells (45 here), or as many as given
+        coded = grnnd.encode(data, kind, metric=metric, cells=int(cells) if cells else None)
         grnnd.search(data, graph, data[:70], 10, list_size=32, metric=metric, codes=coded)
         for width in (1, 4, 8):  # the warp loop (two and six slots a lane); the block loop
             grnnd.search(data, graph, data[:4], 10, list_size=64, search_width=width, metric=metric, codes=coded,

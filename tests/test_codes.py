@@ -36,35 +36,116 @@ def test_encode_layout_and_decoding():
     assert grnnd.encode(x, metric="cosine").rows.shape == (500, 32)  # no norm tail without l2
 
 
+def _int4_parts(codes, dim):
+    """(levels v [N, D], alpha, K, cell) of int4 code rows (csrc/codes.h)."""
+    width = grnnd.codes.code_dims(dim, "int4") // 2
+    packed = codes.rows[:, :width]
+    levels = torch.stack([packed & 0xF, packed >> 4], 2).flatten(1)
+    tail = codes.rows[:, width:width + 16].contiguous()
+    alpha, k = tail[:, :8].view(torch.float32).unbind(1)
+    return levels, alpha, k, tail[:, 8:12].view(torch.int32).flatten().long()
+
+
+def _int4_estimates(codes, queries, dim):
+    """[Q, N]: the distances the search walks by (csrc/codes.h), in float64 and without the
+    query's quantisation: -t_j + K - alpha <v, y> (x2 under l2, plus |q - c_0|^2; 1 + under cosine)."""
+    levels, alpha, k, cell = _int4_parts(codes, dim)
+    v = levels[:, :dim].double() - 7.5
+    rotation, centres = codes.grid[:dim].double(), codes.grid[dim:].double()
+    q = queries.double()
+    if codes.metric == "cosine":
+        q = torch.nn.functional.normalize(q, dim=1)
+    if codes.metric == "l2":
+        u, offsets = q - centres[0], centres - centres[0]
+    else:
+        u, offsets = q, centres
+    inner = alpha.double()[None] * ((u @ rotation) @ v.T)
+    t = (u @ offsets.T)[:, cell]
+    if codes.metric == "l2":
+        return u.square().sum(1, keepdim=True) - 2 * t + k.double()[None] - 2 * inner
+    return (1 if codes.metric == "cosine" else 0) - t + k.double()[None] - inner
+
+
 @pytest.mark.parametrize("metric", METRICS)
 def test_int4_layout_and_estimates(metric):
     x = clustered(2_000, 40, 8, seed=2)
     codes = grnnd.encode(x, "int4", metric=metric)
-    assert codes.rows.shape == (2_000, 32 + 16)  # 40 codes padded to 64 nibbles, alpha and |r|^2
-    assert codes.grid.shape == (41, 40)
-    rotation, centre = codes.grid[:40], codes.grid[40]
+    assert codes.rows.shape == (2_000, 32 + 16)  # 40 codes padded to 64 nibbles, alpha, K, cell, padding
+    cells = grnnd.codes.default_cells(2_000)
+    assert cells == 45 and codes.cells == cells and codes.grid.shape == (40 + cells, 40)
+    rotation, centres = codes.grid[:40], codes.grid[40:]
     torch.testing.assert_close(rotation @ rotation.T, torch.eye(40), atol=1e-5, rtol=0)  # orthogonal
     rows = torch.nn.functional.normalize(x, dim=1) if metric == "cosine" else x
-    torch.testing.assert_close(centre, rows.mean(0), atol=1e-5, rtol=1e-5)
-    packed = codes.rows[:, :32]
-    levels = torch.stack([packed & 0xF, packed >> 4], 2).flatten(1)
+    levels, alpha, k, cell = _int4_parts(codes, 40)
     assert bool((levels[:, 40:] == 0).all())  # padding codes are zero
+    # Each row is coded about its nearest centre.
+    assert torch.equal(cell, torch.cdist(rows.double(), centres.double()).argmin(1))
     v = levels[:, :40].float() - 7.5
-    tail = codes.rows[:, 32:40].contiguous().view(torch.float32)
-    alpha, norm = tail[:, 0], tail[:, 1]
-    r = (rows - centre) @ rotation
-    torch.testing.assert_close(norm, r.square().sum(1), rtol=1e-4, atol=1e-5)
+    r = (rows - centres[cell]) @ rotation
     # A row's own inner product is estimated exactly, and the levels point close to its direction.
-    torch.testing.assert_close(alpha * (v * r).sum(1), norm, rtol=1e-4, atol=1e-5)
-    assert float(torch.nn.functional.cosine_similarity(v, r).min()) > 0.97
-    # Between rows the estimate is close: within a few percent of |r_a| |r_b|.
-    a, b = r[:500], r[500:1000]
-    estimate = alpha[:500] * (v[:500] * b).sum(1)
-    error = (estimate - (a * b).sum(1)).abs() / (a.norm(dim=1) * b.norm(dim=1))
-    assert float(error.mean()) < 0.03, float(error.mean())
+    torch.testing.assert_close(alpha * (v * r).sum(1), r.square().sum(1), rtol=1e-4, atol=1e-5)
+    moved = r.norm(dim=1) > 1e-6  # a row alone in its cell is its centre: r = 0, no direction
+    assert float(torch.nn.functional.cosine_similarity(v, r)[moved].min()) > 0.97
+    # The estimated distances are close to the exact ones: within a small share of their spread.
+    queries = clustered(2_100, 40, 8, seed=2)[2_000:]
+    estimate = _int4_estimates(codes, queries, 40)
+    q = torch.nn.functional.normalize(queries, dim=1) if metric == "cosine" else queries
+    exact = (torch.cdist(q.double(), rows.double()).square() if metric == "l2"
+             else (1 if metric == "cosine" else 0) - q.double() @ rows.double().T)
+    assert float((estimate - exact).abs().mean() / exact.std()) < 0.02
     # The same rows on the same grid give the same codes; the rotation is the same for every index.
     assert torch.equal(grnnd.codes.encode_rows(x, codes.grid, metric), codes.rows)
     assert torch.equal(grnnd.encode(x[:100] * 2, "int4", metric=metric).grid[:40], rotation)
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_int4_cells_code_tight_clusters_finely(metric):
+    # Many tight clusters far apart: about one global centre, the code's error on a row's offset
+    # drowns the differences inside its cluster; about its cell's centre it does not.
+    x = clustered(4_100, 48, 40, seed=5, spread=10.0, noise=0.5)
+    base, queries = x[:4_000], x[4_000:]
+    q = torch.nn.functional.normalize(queries, dim=1) if metric == "cosine" else queries
+    rows = torch.nn.functional.normalize(base, dim=1) if metric == "cosine" else base
+    exact = (torch.cdist(q.double(), rows.double()).square() if metric == "l2"
+             else (1 if metric == "cosine" else 0) - q.double() @ rows.double().T)
+    near = exact.topk(50, largest=False).indices
+
+    def error(codes):  # mean error of the estimate among each query's 50 nearest rows
+        return float((_int4_estimates(codes, queries, 48) - exact).gather(1, near).abs().mean())
+
+    one, cells = grnnd.encode(base, "int4", metric=metric, cells=1), grnnd.encode(base, "int4", metric=metric)
+    assert one.cells == 1 and cells.cells == 63 == grnnd.codes.default_cells(4_000)
+    # Rows without clusters keep most of their spread about any cells: coded about one centre.
+    assert grnnd.encode(torch.randn(4_000, 48), "int4", metric=metric).cells == 1
+    assert error(cells) < 0.5 * error(one), (error(cells), error(one))
+    # And so the walk by codes ranks like the rows: the coded search keeps the rows' recall.
+    graph = grnnd.build(base, metric=metric)
+    truth = exact_neighbours(base, queries, 10, metric)[1]
+    full = grnnd.recall(grnnd.search(base, graph, queries, 10, list_size=16, metric=metric)[1], truth)
+    coded = grnnd.recall(grnnd.search(base, graph, queries, 10, list_size=16, metric=metric, codes=cells)[1], truth)
+    assert coded >= full - 0.01, (coded, full)
+
+
+def test_int4_codes_of_earlier_versions_load():
+    # Codes of earlier versions: one centre, and a tail of alpha, |r|^2 and zeros, with no format
+    # in the state.
+    data = clustered(3_000, 24, 10, seed=4)
+    width = grnnd.codes.code_dims(24, "int4") // 2
+    for metric in METRICS:
+        state = grnnd.Index.build(data, metric=metric).state_dict()
+        now = grnnd.encode(data, "int4", metric=metric, cells=1)
+        rows = torch.nn.functional.normalize(data, dim=1) if metric == "cosine" else data
+        r = ((rows - now.grid[24]).double() @ now.grid[:24].double()).float()  # as the old encoder made it
+        old = now.rows.clone()
+        old[:, width + 4:width + 8] = r.square().sum(1).view(torch.uint8).view(-1, 4)
+        old[:, width + 8:] = 0
+        state["codes"] = {"kind": "int4", "rows": old, "grid": now.grid}
+        restored = grnnd.Index.from_state_dict(state)
+        # l2: kept as they are (about one centre K = |r|^2 and the cell is 0); else coded again.
+        assert torch.equal(restored.codes.rows, old if metric == "l2" else now.rows), metric
+        queries = data[:50] + 0.1
+        truth = exact_neighbours(data, queries, 10, metric)[1]
+        assert grnnd.recall(restored.search(queries, 10)[1], truth) >= 0.95
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -124,7 +205,8 @@ def test_coded_search_refuses_bad_codes(sets):
         torch.ops.grnnd.search(base, graph, queries, 10, codes=codes.rows[:, :48], code_grid=codes.grid)
     with pytest.raises(TypeError, match="codes: expected uint8"):
         torch.ops.grnnd.search(base, graph, queries, 10, codes=codes.rows.float(), code_grid=codes.grid)
-    with pytest.raises(ValueError, match=r"code_grid: expected shape \[2, 48\] .* or \[49, 48\]"):
+    with pytest.raises(ValueError,
+                       match=r"code_grid: expected shape \[2, 48\] .* or \[48 \+ C, 48\] with 1 <= C <= 4096"):
         torch.ops.grnnd.search(base, graph, queries, 10, codes=codes.rows, code_grid=codes.grid[:, :8])
     int4 = grnnd.encode(base, "int4")
     with pytest.raises(ValueError, match=r"codes: expected shape \[12000, 48\] \(the int4 codes"):
@@ -133,6 +215,11 @@ def test_coded_search_refuses_bad_codes(sets):
         grnnd.encode(base[:, :1], "int4")
     with pytest.raises(ValueError, match="codes: expected one of"):
         grnnd.encode(base, "int3")
+    for kind, cells in (("int4", 0), ("int4", 4097), ("int8", 4), ("int4", 2.0)):
+        with pytest.raises(ValueError, match=r"cells: expected an int in \[1, 4096\]"):
+            grnnd.encode(base, kind, cells=cells)
+    with pytest.raises(ValueError, match=r"grid: expected float32 \[48 \+ C, 48\]"):
+        grnnd.encode(base, "int4", grid=torch.zeros(48 + 4097, 48))
     with pytest.raises(ValueError, match="NaN or infinity"):
         grnnd.encode(torch.tensor([[0.0, float("nan")]]))
 

@@ -12,19 +12,48 @@ beside the rows: ``D`` bytes per row for int8 (plus 16 under l2), ``D / 2 + 16``
 once normalised); a row's code is ``round((x - offset) / step)`` in [0, 255]. Rows added later
 are encoded on the same grid, clamped where they fall outside it.
 
-``"int4"``: the rows less their centre, turned by a random rotation (so that every coordinate
-carries a similar share), then 4 bits per coordinate on a grid of 16 levels with a step chosen
-per row, and two floats per row for the inner-product estimate of RaBitQ (Gao and Long 2024,
-extended to several bits): exact for the row itself, and unbiased over random rotations in that
-paper's analysis. The grid holds the rotation and the centre; rows added later use both.
+``"int4"``: each row less the centre of its cell (k-means cells of the rows, about sqrt(N) of
+them and at most 1 024, where they take at least half the rows' spread; else one), turned by a
+random rotation (so that every coordinate carries a similar share), then 4 bits per coordinate
+on a grid of 16 levels with a step chosen per row, and two floats per row for the inner-product
+estimate of RaBitQ (Gao and Long 2024, extended to several bits): exact for the row itself, and
+unbiased over random rotations in that paper's analysis.
+Coding about a cell's centre rather than one global centre (as IVF-RaBitQ does) keeps rows of one
+tight cluster apart: their differences are not drowned by the code's error on the cluster's
+offset. The grid holds the rotation and the centres; rows added later use both.
 """
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
+
+import math
 
 import torch
 from torch import Tensor
 
 CODE_KINDS = ("int8", "int4")
+
+# The layout of int4 codes (csrc/codes.h): 2 codes rows about their cell's centre with the cell in
+# the tail; states of format 1 (or none) hold single-centre codes, whose ip and cosine rows are
+# coded again on loading (Codes.from_state).
+CODES_FORMAT = 2
+
+# int4 cells: about sqrt(N) of them (a cell of about sqrt(N) rows), at most this many by
+# default (a query computes a dot with every cell, csrc/codes.h) and at most kMaxInt4Cells asked.
+# By default the rows are coded about cells only where the cells leave at most this share of the
+# rows' spread about their mean (squared distances, on the k-means sample): the code's error
+# scales with a row's distance from its centre, and each distance then costs a lookup of the
+# query's dot with the row's cell (7-25% of a batch of 10 000's queries/s at 1 000 cells, H200). Real
+# sentence embeddings keep 0.62 of it at 1 000 cells and gain no recall from them; 1 000
+# synthetic clusters keep 0.19 and gain up to 0.13 of recall@10 at a short list
+# (benchmarks/README.md, "Searching by 4-bit codes").
+_DEFAULT_MAX_CELLS = 1024
+_CELLS_MAX_SPREAD_KEPT = 0.5
+MAX_CELLS = 4096
+# k-means of the cells: on at most this many rows per cell (and at least this many rows), over
+# this many Lloyd rounds.
+_CELL_SAMPLE_PER_CELL = 64
+_CELL_SAMPLE_MIN = 1 << 16
+_CELL_ROUNDS = 8
 
 # Rows encoded per step: bounds the float32 copy an encoding makes (about 64 MB at D = 1024).
 _CHUNK_ROWS = 1 << 14
@@ -54,8 +83,13 @@ def code_row_bytes(dim: int, metric: str, kind: str = "int8") -> int:
 
 
 def grid_kind(grid: Tensor) -> str:
-    """The kind of codes a grid makes: int8's are [2, D], int4's [D + 1, D] (D >= 2)."""
+    """The kind of codes a grid makes: int8's are [2, D], int4's [D + C, D] (D >= 2, C cells)."""
     return "int8" if grid.shape[0] == 2 else "int4"
+
+
+def default_cells(rows: int) -> int:
+    """The int4 cells of ``rows`` rows by default: about sqrt(rows), from 1 to 1 024."""
+    return max(1, min(_DEFAULT_MAX_CELLS, round(math.sqrt(rows))))
 
 
 @dataclass(frozen=True, eq=False)  # tensors have no truth value to compare by
@@ -67,7 +101,7 @@ class Codes:
         metric: the metric they were made for (cosine codes are of normalised rows).
         rows: uint8 [N, code_row_bytes(D, metric, kind)], the search's ``codes``.
         grid: float32, the search's ``code_grid``: int8 [2, D], each dimension's offset and
-            step; int4 [D + 1, D], the rotation (transposed) and then the rows' centre.
+            step; int4 [D + C, D], the rotation (transposed) and then the C cells' centres.
     """
 
     kind: str
@@ -87,8 +121,13 @@ class Codes:
         """The codes of these rows (an index's rows kept by a compaction, say)."""
         return Codes(self.kind, self.metric, self.rows[rows.to(self.rows.device)], self.grid)
 
+    @property
+    def cells(self) -> int:
+        """int4: the cells whose centres the rows are coded about; int8: 0."""
+        return self.grid.shape[0] - self.grid.shape[1] if self.kind == "int4" else 0
+
     def state(self) -> dict:
-        return {"kind": self.kind, "rows": self.rows, "grid": self.grid}
+        return {"kind": self.kind, "rows": self.rows, "grid": self.grid, "format": CODES_FORMAT}
 
 
 def _prepared(rows: Tensor, metric: str, device: torch.device) -> Tensor:
@@ -100,20 +139,21 @@ def _prepared(rows: Tensor, metric: str, device: torch.device) -> Tensor:
 
 
 def fit_grid(data: Tensor, metric: str = "l2", device: Optional[Union[str, torch.device]] = None,
-             kind: str = "int8") -> Tensor:
+             kind: str = "int8", cells: Optional[int] = None) -> Tensor:
     """The grid codes of ``kind`` are made on, fitted to ``data``, on ``device`` (data's by
     default). int8: float32 [2, D], each dimension's minimum over the rows and its step, the
     range over 255 (1 where the range is 0: every row then codes to 0). int4: float32
-    [D + 1, D], a random rotation (the same for every index of D dimensions) transposed, then
-    the mean of the rows."""
+    [D + C, D], a random rotation (the same for every index of D dimensions) transposed, then
+    the centres of ``cells`` k-means cells of the rows (the mean of the rows for one cell).
+    ``cells=None``: :func:`default_cells` of them where they take at least half the rows'
+    spread about their mean (clustered rows), else one. The same rows give the same grid."""
     device = torch.device(device) if device is not None else data.device
     dim = data.shape[1]
     if kind == "int4":
-        total = torch.zeros(dim, dtype=torch.float64, device=device)
-        for start in range(0, data.shape[0], _CHUNK_ROWS):
-            total += _prepared(data[start:start + _CHUNK_ROWS], metric, device).sum(0, dtype=torch.float64)
-        centre = (total / max(data.shape[0], 1)).float()
-        return torch.cat([_rotation(dim).to(device), centre[None]])
+        centres, kept = _cell_centres(data, metric, device, default_cells(data.shape[0]) if cells is None else cells)
+        if cells is None and kept > _CELLS_MAX_SPREAD_KEPT:
+            centres, _ = _cell_centres(data, metric, device, 1)
+        return torch.cat([_rotation(dim).to(device), centres])
     low = torch.full((dim,), float("inf"), device=device)
     high = torch.full((dim,), float("-inf"), device=device)
     for start in range(0, data.shape[0], _CHUNK_ROWS):
@@ -124,6 +164,70 @@ def fit_grid(data: Tensor, metric: str = "l2", device: Optional[Union[str, torch
         low, high = torch.zeros(dim, device=device), torch.zeros(dim, device=device)
     step = (high - low) / 255
     return torch.stack([low, torch.where(step > 0, step, torch.ones_like(step))])
+
+
+def _cell_centres(data: Tensor, metric: str, device: torch.device, cells: int) -> Tuple[Tensor, float]:
+    """(float32 [cells, D], the share of the rows' spread the cells keep): the mean of the rows
+    for one cell (share 1); else Lloyd's k-means (squared l2, on the prepared rows) of a
+    fixed-seed sample of them from k-means++ seeds, and the sample's squared distances to its
+    nearest centres over those to its mean. Sums are one-hot products in a fixed order
+    (index_add_ adds in whatever order the GPU's atomics land), so the same rows give the same
+    centres."""
+    n, dim = data.shape
+    if cells == 1 or n <= 1:
+        total = torch.zeros(dim, dtype=torch.float64, device=device)
+        for start in range(0, n, _CHUNK_ROWS):
+            total += _prepared(data[start:start + _CHUNK_ROWS], metric, device).sum(0, dtype=torch.float64)
+        return (total / max(n, 1)).float().expand(cells, dim).contiguous(), 1.0
+    generator = torch.Generator().manual_seed(_ROTATION_SEED)
+    sample = min(n, max(_CELL_SAMPLE_PER_CELL * cells, _CELL_SAMPLE_MIN))
+    picked = torch.randperm(n, generator=generator)[:sample].sort().values
+    x = _prepared(data[picked.to(data.device)], metric, device)
+    if sample >= cells:
+        centres = _spread_seeds(x, cells, generator)
+    else:  # fewer rows than cells: the surplus cells repeat the first row and stay empty
+        centres = torch.cat([x, x[:1].expand(cells - sample, dim)])
+    for _ in range(_CELL_ROUNDS):
+        sums = torch.zeros(cells, dim, dtype=torch.float64, device=device)
+        counts = torch.zeros(cells, dtype=torch.float64, device=device)
+        for start in range(0, sample, _CHUNK_ROWS):
+            part = x[start:start + _CHUNK_ROWS]
+            one_hot = torch.nn.functional.one_hot(_nearest(part, centres), cells).double()
+            sums += one_hot.T @ part.double()
+            counts += one_hot.sum(0)
+        centres = torch.where(counts[:, None] > 0, sums / counts.clamp_min(1)[:, None], centres.double()).float()
+    about_cells = about_mean = 0.0
+    mean = x.double().mean(0)
+    for start in range(0, sample, _CHUNK_ROWS):
+        part = x[start:start + _CHUNK_ROWS].double()
+        about_cells += float((part - centres.double()[_nearest(part, centres)]).square().sum())
+        about_mean += float((part - mean).square().sum())
+    return centres, about_cells / about_mean if about_mean > 0 else 1.0
+
+
+def _spread_seeds(x: Tensor, cells: int, generator: torch.Generator) -> Tensor:
+    """float32 [cells, D]: k-means++ seeds among the rows x, each next one drawn with probability
+    proportional to its squared distance from the seeds so far, so that every cluster of rows
+    gets a seed of its own (Lloyd rounds from random rows leave some cells across two clusters,
+    whose rows are then coded about a centre between them)."""
+    n = x.shape[0]
+    draws = torch.rand(cells, generator=generator, dtype=torch.float64).to(x.device)
+    seeds = torch.empty(cells, x.shape[1], dtype=x.dtype, device=x.device)
+    seeds[0] = x[int(draws[0] * n)]
+    nearest = (x - seeds[0]).square().sum(1).double()
+    for j in range(1, cells):  # no host synchronisation: the pick stays a tensor
+        total = nearest.cumsum(0)
+        pick = torch.searchsorted(total, (draws[j] * total[-1])[None]).clamp_max_(n - 1)
+        seeds[j] = x.index_select(0, pick)[0]
+        nearest = torch.minimum(nearest, (x - seeds[j]).square().sum(1).double())
+    return seeds
+
+
+def _nearest(x: Tensor, centres: Tensor) -> Tensor:
+    """int64 [n]: each row's nearest centre by squared l2, in float64 (so that a row's cell does
+    not depend on the rows coded beside it)."""
+    xd, cd = x.double(), centres.double()
+    return ((cd.square().sum(1))[None] - 2 * xd @ cd.T).argmin(1)
 
 
 def _rotation(dim: int) -> Tensor:
@@ -141,13 +245,14 @@ def encode_rows(rows: Tensor, grid: Tensor, metric: str) -> Tensor:
     n, dim = rows.shape
     device = grid.device
     out = torch.zeros(n, code_row_bytes(dim, metric, kind), dtype=torch.uint8, device=device)
+    cells = _Int4Cells(grid, metric) if kind == "int4" else None
     for start in range(0, n, _CHUNK_ROWS):
         x = _prepared(rows[start:start + _CHUNK_ROWS], metric, device)
         part = out[start:start + x.shape[0]]
         if kind == "int8":
             _encode_int8(x, grid, metric, part)
         else:
-            _encode_int4(x, grid, part)
+            _encode_int4(x, cells, part)
     return out
 
 
@@ -161,14 +266,31 @@ def _encode_int8(x: Tensor, grid: Tensor, metric: str, out: Tensor) -> None:
         out[:, code_dims(dim):code_dims(dim) + 4] = norm.view(torch.uint8).view(-1, 4)
 
 
-def _encode_int4(x: Tensor, grid: Tensor, out: Tensor) -> None:
-    """Codes of the rows x (prepared) on an int4 grid (csrc/codes.h): r = P (x - c); of the steps
-    tried (multiples of r's RMS), the one whose levels v point closest to r's direction; then
-    alpha = |r|^2 / <v, r> and |r|^2 in the tail."""
+class _Int4Cells:
+    """An int4 grid's parts in float64, as every chunk of rows coded on it needs them: the
+    rotation, the centres, and the offsets W_j (c_j - c_0 under l2, c_j otherwise) with their
+    rotations P W_j and squared norms (csrc/codes.h)."""
+
+    def __init__(self, grid: Tensor, metric: str):
+        dim = grid.shape[1]
+        self.metric = metric
+        self.rotation, self.centres = grid[:dim].double(), grid[dim:].double()
+        self.offsets = self.centres - self.centres[0] if metric == "l2" else self.centres
+        self.turned = self.offsets @ self.rotation
+        self.offset_norms = self.offsets.square().sum(1)
+
+
+def _encode_int4(x: Tensor, cells: _Int4Cells, out: Tensor) -> None:
+    """Codes of the rows x (prepared) on an int4 grid (csrc/codes.h): the row's cell j (nearest
+    centre) and r = P (x - c_j); of the steps tried (multiples of r's RMS), the one whose levels v
+    point closest to r's direction; then alpha = |r|^2 / <v, r>, the row's constant K and j in the
+    tail."""
     n, dim = x.shape
+    cell = _nearest(x, cells.centres)
     # In float64, so that a row's codes do not depend on the batch it is coded in (a float32
     # product's rounding may follow the matrix's shape).
-    r = ((x - grid[dim]).double() @ grid[:dim].double()).float()
+    e = x.double() - cells.centres[cell]
+    r = (e @ cells.rotation).float()
     norm = r.square().sum(1)
     rms = (norm / dim).sqrt().clamp_min(1e-30)
 
@@ -196,21 +318,33 @@ def _encode_int4(x: Tensor, grid: Tensor, out: Tensor) -> None:
     inner = (v * r).sum(1)
     # A row at the centre (r = 0) has no direction: alpha 0 makes its estimate the exact 0.
     alpha = torch.where(norm > 0, norm / inner.where(inner != 0, torch.ones_like(inner)), torch.zeros_like(norm))
+    # K (codes.h): l2 |W_j|^2 + |r|^2 + 2 alpha <v, P W_j> with W_j = c_j - c_0; ip and cosine
+    # alpha <v, P c_j> - <c_j, e>.
+    estimate = alpha.double() * (v.double() * cells.turned[cell]).sum(1)
+    if cells.metric == "l2":
+        k = cells.offset_norms[cell] + norm.double() + 2 * estimate
+    else:
+        k = estimate - (cells.centres[cell] * e).sum(1)
     padded = torch.zeros(n, code_dims(dim, "int4"), dtype=torch.uint8, device=x.device)
     padded[:, :dim] = best
     packed = padded[:, 0::2] | (padded[:, 1::2] << 4)
     width = packed.shape[1]
     out[:, :width] = packed
-    out[:, width:width + 8] = torch.stack([alpha, norm], 1).contiguous().view(torch.uint8)
+    out[:, width:width + 8] = torch.stack([alpha, k.float()], 1).contiguous().view(torch.uint8)
+    out[:, width + 8:width + 12] = cell.to(torch.int32)[:, None].view(torch.uint8)
 
 
 def encode(data: Tensor, kind: str = "int8", *, metric: str = "l2", grid: Optional[Tensor] = None,
-           device: Optional[Union[str, torch.device]] = None) -> Codes:
+           device: Optional[Union[str, torch.device]] = None, cells: Optional[int] = None) -> Codes:
     """Codes of the rows of ``data`` for a search under ``metric``: ``kind`` ``"int8"`` (8-bit
     scalar codes, one byte per dimension) or ``"int4"`` (4-bit codes of the rotated rows, half a
     byte per dimension and 16 bytes per row; needs D >= 2). ``grid``: code on this grid (another
     index's, of the same kind) instead of one fitted to ``data``. ``device``: where the codes go
-    (data's by default), e.g. the GPU for rows kept in pinned host memory.
+    (data's by default), e.g. the GPU for rows kept in pinned host memory. ``cells`` (int4): the
+    cells the rows are coded about, 1 to 4 096: more cells code clustered rows more finely, and
+    each query computes one dot product per cell and looks one up per distance. None (the
+    default): :func:`default_cells` of them where they take at least half the rows' spread
+    (:func:`fit_grid`), else one.
 
     Example:
         >>> import torch, torch_grnnd as grnnd
@@ -233,8 +367,12 @@ def encode(data: Tensor, kind: str = "int8", *, metric: str = "l2", grid: Option
         raise ValueError("data: holds NaN or infinity; codes need finite rows")
     if kind == "int4" and data.shape[1] < 2:
         raise ValueError(f"codes: int4 codes need at least 2 dimensions, got {data.shape[1]}")
+    if cells is not None and (kind != "int4" or grid is not None or not isinstance(cells, int)
+                              or not 1 <= cells <= MAX_CELLS):
+        raise ValueError(f"cells: expected an int in [1, {MAX_CELLS}] for int4 codes on a grid fitted here, got "
+                         f"{cells!r} ({kind} codes{', a grid given' if grid is not None else ''})")
     if grid is None:
-        grid = fit_grid(data, metric, device, kind)
+        grid = fit_grid(data, metric, device, kind, cells)
     else:
         check_grid(grid, data.shape[1], kind)
         grid = grid.to(device if device is not None else grid.device)
@@ -252,8 +390,12 @@ def _all_finite(data: Tensor) -> bool:
 
 
 def check_grid(grid: Tensor, dim: int, kind: str = "int8") -> None:
-    shape = (2, dim) if kind == "int8" else (dim + 1, dim)
-    what = "offsets and steps" if kind == "int8" else "rotation and centre"
-    if not isinstance(grid, Tensor) or grid.dtype != torch.float32 or tuple(grid.shape) != shape:
-        raise ValueError(f"grid: expected float32 [{shape[0]}, {dim}] ({what}), got "
+    if kind == "int8":
+        fits, shape = lambda rows: rows == 2, f"[2, {dim}] (offsets and steps)"
+    else:
+        fits = lambda rows: dim < rows <= dim + MAX_CELLS  # noqa: E731
+        shape = f"[{dim} + C, {dim}] with 1 <= C <= {MAX_CELLS} (rotation and cell centres)"
+    if (not isinstance(grid, Tensor) or grid.dtype != torch.float32 or grid.dim() != 2 or grid.shape[1] != dim
+            or not fits(grid.shape[0])):
+        raise ValueError(f"grid: expected float32 {shape}, got "
                          f"{tuple(grid.shape) if isinstance(grid, Tensor) else type(grid).__name__}")

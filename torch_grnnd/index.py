@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from . import building, editing, merging, ops, saving
-from .codes import CODE_KINDS, Codes, check_grid, code_row_bytes, encode, encode_rows
+from .codes import CODE_KINDS, CODES_FORMAT, Codes, check_grid, code_row_bytes, encode, encode_rows
 from .params import MAX_LIST_SIZE, BuildParams, SearchParams
 from .progress import Progress
 
@@ -665,7 +665,12 @@ def check_codes_state(state: Any, data: Tensor, metric: str) -> Codes:
         raise ValueError(f"state: code rows must be uint8 [{data.shape[0]}, {width}], got "
                          f"{tuple(rows.shape) if isinstance(rows, Tensor) else type(rows).__name__}")
     check_grid(grid, data.shape[1], state["kind"])
-    return Codes(state["kind"], metric, rows, grid.to(rows.device))
+    grid = grid.to(rows.device)
+    if state["kind"] == "int4" and state.get("format", 1) < CODES_FORMAT and metric != "l2":
+        # Single-centre ip and cosine codes of earlier versions lack the row constant the search
+        # now adds (csrc/codes.h): coded again on their own grid. Their l2 codes read unchanged.
+        rows = encode_rows(data, grid, metric)
+    return Codes(state["kind"], metric, rows, grid)
 
 
 def check_ids(ids: Any, data: Tensor, distinct: bool = True, removed: Optional[Tensor] = None) -> Tensor:

@@ -89,24 +89,35 @@ class CodeDistances {
         kind_(codes.kind),
         stride_(codes.codes.size(1)),
         dim_(dim),
+        cells_(kind_ == CodeKind::kInt4 ? codes.grid.size(0) - dim : 0),
         code_dims_(code_dims(dim, codes.kind)),
         code_bytes_(code_bytes(dim, codes.kind)),
         metric_(metric),
         hi_(code_dims_),
         lo_(code_dims_),
-        rotated_(kind_ == CodeKind::kInt4 ? dim : 0) {}
+        rotated_(kind_ == CodeKind::kInt4 ? dim + cells_ : 0) {}
 
   void set_query(const float* q) {
-    // int8: a grid of offsets and steps; int4: the rotation's rows, then the centre (codes.h).
+    // int8: a grid of offsets and steps; int4: the rotation's rows, then the cells' centres (codes.h).
     const float* offset = kind_ == CodeKind::kInt8 ? grid_ : grid_ + dim_ * dim_;
     const float* step = grid_ + dim_;
     if (kind_ == CodeKind::kInt4) {
-      // Row by row of the grid (contiguous reads); each output still sums over d in order.
+      // y by rows of the grid (contiguous reads), then the cell dots t_j; each output sums over d
+      // in order, as rotate_queries_kernel does.
       std::fill(rotated_.begin(), rotated_.end(), 0.0f);
       for (int64_t d = 0; d < dim_; ++d) {
         const float u = int4_rotation_input(q[d], offset[d], metric_);
         const float* rotation = grid_ + d * dim_;
         for (int64_t i = 0; i < dim_; ++i) rotated_[i] = int4_rotation_step(rotated_[i], rotation[i], u);
+      }
+      for (int64_t j = 0; j < cells_; ++j) {
+        const float* cell = offset + j * dim_;
+        float dot = 0.0f;
+        for (int64_t d = 0; d < dim_; ++d) {
+          dot = int4_rotation_step(dot, int4_cell_offset(cell[d], offset[d], metric_),
+                                   int4_rotation_input(q[d], offset[d], metric_));
+        }
+        rotated_[dim_ + j] = dot;
       }
     }
     const auto term = [&](int64_t d) {
@@ -153,10 +164,13 @@ class CodeDistances {
         hi_dot += static_cast<int32_t>(hi_[d]) * u;
         lo_dot += static_cast<int32_t>(lo_[d]) * u;
       }
-      float alpha, norm;
+      float alpha, k;
+      uint32_t cell;
       std::memcpy(&alpha, codes + code_bytes_, sizeof(float));
-      std::memcpy(&norm, codes + code_bytes_ + sizeof(float), sizeof(float));
-      dist = int4_code_distance(hi_dot, lo_dot, level_sum_, scale_, bias_, alpha, norm, metric_);
+      std::memcpy(&k, codes + code_bytes_ + sizeof(float), sizeof(float));
+      std::memcpy(&cell, codes + code_bytes_ + 2 * sizeof(float), sizeof(uint32_t));
+      const float bias = int4_cell_bias(bias_, rotated_[dim_ + int4_cell_of(cell, cells_)], metric_);
+      dist = int4_code_distance(hi_dot, lo_dot, level_sum_, scale_, bias, alpha, k, metric_);
     }
     return std::isnan(dist) ? std::numeric_limits<float>::infinity() : dist;
   }
@@ -170,11 +184,11 @@ class CodeDistances {
   const uint8_t* rows_;
   const float* grid_;
   CodeKind kind_;
-  int64_t stride_, dim_, code_dims_, code_bytes_;
+  int64_t stride_, dim_, cells_, code_dims_, code_bytes_;
   Metric metric_;
   std::vector<int8_t> hi_;   // the query's levels by dimension (the GPU keeps int4's by slot)
   std::vector<uint8_t> lo_;
-  std::vector<float> rotated_;  // int4: y, the rotated query
+  std::vector<float> rotated_;  // int4: y, the rotated query, then its dot t_j with each cell
   float scale_ = 1.0f, bias_ = 0.0f;
   int32_t level_sum_ = 0;
 };

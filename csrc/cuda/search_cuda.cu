@@ -80,8 +80,9 @@ __device__ __forceinline__ bool hash_insert(uint32_t* table, int bits, uint32_t 
 struct SearchArgs {
   const int32_t* graph;
   const uint8_t* codes;    // null, or the rows' codes (codes.h): the traversal reads them, the rows re-rank
-  const float* code_grid;  // int8: [2, dim], each dimension's offset, then its step; int4: [dim + 1, dim]
-  const float* rotated;    // int4: [Q, dim], the rotated queries (rotate_queries_kernel)
+  const float* code_grid;  // int8: [2, dim], each dimension's offset, then its step; int4: [dim + cells, dim]
+  const float* rotated;    // int4: [Q, dim + cells], the rotated queries, then their cell dots (rotate_queries_kernel)
+  int code_cells;          // int4: the grid's cells
   int64_t code_stride;     // bytes per code row (code_row_bytes)
   int code_dims;           // codes per row, padded to a multiple of 16 (int8) or 32 (int4) (code_dims)
   int code_bytes;          // bytes of those codes, the tail not counted
@@ -120,6 +121,7 @@ struct Scalars {
   float code_scale;  // with codes: the query's scale and bias (codes.h)
   float code_bias;
   int code_level_sum;  // int4: the sum of the query's levels
+  const float* cell_dots;  // int4: the query's t_j, one per cell, in global memory (read through L1)
   uint32_t parents[kMaxSearchWidth];
 };
 
@@ -135,8 +137,9 @@ struct CodeQuery {
   const uint8_t* hi;
   const uint8_t* lo;
   float scale;
-  float bias;
+  float bias;  // int4: with one cell the bias of every row (int4_cell_bias), else the constant it takes
   int level_sum;
+  const float* const* cell_dots;  // int4 with cells: where the query's t_j lie (Scalars, shared)
 };
 
 // Four byte products added to c: a's bytes signed, b's unsigned.
@@ -209,11 +212,16 @@ __device__ __forceinline__ float team_code_distance(const SearchArgs& a, const C
   if constexpr (CODE == kCodedInt8) {
     const float norm = a.metric == Metric::kL2 && valid ? __ldg(tail) : 0.0f;
     return code_distance(hi_dot, static_cast<int32_t>(lo_dot), cq.scale, cq.bias, norm, a.metric);
-  } else {
-    const float alpha = valid ? __ldg(tail) : 0.0f;
-    const float norm = a.metric == Metric::kL2 && valid ? __ldg(tail + 1) : 0.0f;
-    return int4_code_distance(hi_dot, static_cast<int32_t>(lo_dot), cq.level_sum, cq.scale, cq.bias, alpha, norm,
-                              a.metric);
+  } else {  // alpha, K and the cell in one 16-byte load, then the cell's dot
+    const uint4 t = valid ? __ldg(reinterpret_cast<const uint4*>(tail)) : make_uint4(0u, 0u, 0u, 0u);
+    // One cell: its bias is the query's. More: the row's cell's, from the query's dots where the
+    // rotation left them (the pointer waits in shared memory: the warp loop's kernel, bounded to 64
+    // registers, has none to spare for it).
+    const float bias = a.code_cells == 1 || !valid
+                           ? cq.bias
+                           : int4_cell_bias(cq.bias, __ldg(*cq.cell_dots + int4_cell_of(t.z, a.code_cells)), a.metric);
+    return int4_code_distance(hi_dot, static_cast<int32_t>(lo_dot), cq.level_sum, cq.scale, bias,
+                              __uint_as_float(t.x), __uint_as_float(t.y), a.metric);
   }
 }
 
@@ -568,10 +576,10 @@ __device__ void prepare_code_query(const SearchArgs& a, const T* __restrict__ qu
                                    uint8_t* hi, uint8_t* lo) {
   const int lane = threadIdx.x;
   if (lane >= kWarpSize) return;
-  // int8: each dimension's offset and step; int4: the centre, and the rotated query's terms.
+  // int8: each dimension's offset and step; int4: the first cell's centre, and the rotated query's terms.
   const float* offset = CODE == kCodedInt8 ? a.code_grid : a.code_grid + static_cast<int64_t>(a.dim) * a.dim;
   const float* step = a.code_grid + a.dim;
-  const float* rotated = CODE == kCodedInt4 ? a.rotated + qi * a.dim : nullptr;
+  const float* rotated = CODE == kCodedInt4 ? a.rotated + qi * (a.dim + a.code_cells) : nullptr;
   const auto term = [&](int d) {
     return CODE == kCodedInt8 ? code_query_term(static_cast<float>(query[d]), offset[d], step[d], a.metric)
                               : rotated[d];
@@ -597,6 +605,14 @@ __device__ void prepare_code_query(const SearchArgs& a, const T* __restrict__ qu
     s.code_scale = scale;
     s.code_bias = code_bias(constant, a.metric);
     s.code_level_sum = level_sum;
+    if constexpr (CODE == kCodedInt4) {
+      // The query's dots with the cells follow its rotated terms. A copy in shared memory (4 KB a
+      // query with 1 000 cells) ran the search at batch 10 000 2-11% slower at every list than
+      // reading them where they lie (fewer resident blocks; two calls on H200s, 1M x 384 real
+      // rows, both before the rotation's dots were read in tiles).
+      s.cell_dots = rotated + a.dim;
+      if (a.code_cells == 1) s.code_bias = int4_cell_bias(s.code_bias, s.cell_dots[0], a.metric);
+    }
   }
 }
 
@@ -664,7 +680,7 @@ __device__ __forceinline__ void search_block(const T* __restrict__ x, const T* _
   if constexpr (CODE != kUncoded) prepare_code_query<CODE>(a, query, qi, s, code_hi, code_lo);
   __syncthreads();
   const CodeQuery cq{code_hi, code_lo, CODE != kUncoded ? s.code_scale : 0.0f,
-                      CODE != kUncoded ? s.code_bias : 0.0f, CODE != kUncoded ? s.code_level_sum : 0};
+                      CODE != kUncoded ? s.code_bias : 0.0f, CODE != kUncoded ? s.code_level_sum : 0, &s.cell_dots};
 
   // Entry points: the query's nearest hubs, then the CPU's draws, counter (query, search, e);
   // repeats are dropped by the hash.
@@ -891,27 +907,39 @@ class QueryCheck {
   int64_t rows_ = 0;
 };
 
-// int4 codes: y = P u of every query (codes.h; u = q - c under l2, q otherwise), summed over d in
-// order (int4_rotation_step) as the CPU sums it. A block takes QUERIES queries and kRotateThreads
-// output dimensions, one a thread; the queries are staged in shared memory kRotateDims dimensions
-// at a time, and the grid's row d is read at the block's outputs (coalesced). A batch of 1 takes
-// dim / 128 blocks of one query; larger batches 16 queries a block, so that the D x D rotation is
-// read once per 16 queries.
-constexpr int kRotateThreads = 128, kRotateDims = 128;
+// int4 codes: y = P u of every query and its dots t_j with the cells (codes.h; u = q - c_0 under
+// l2, q otherwise), each summed over d in order (int4_rotation_step) as the CPU sums it. A block
+// takes QUERIES queries and kRotateThreads outputs, one a thread; the queries are staged in
+// shared memory kRotateDims dimensions at a time. The rotation's outputs read the grid's row d at
+// the block's outputs (coalesced). A cell's offsets lie along its centre's row: with one query a
+// block, each thread reads its own row (a chain of dim loads, as long as a rotation output's);
+// with 16, the block stages them kCellTileDims dimensions at a time, a warp reading a row's
+// dimensions together, in a transposed tile each output then reads down. Read along the rows by
+// 16 queries a block, they held a batch of 10 000 queries with 1 000 cells to 3.37M q/s at list
+// 16 against 4.64M with the tiles; the tiles' chain of barriers cost a batch of 1 0.04 ms (H200,
+// 1M x 384 real rows). A batch of 1
+// takes (dim + cells) / 128 blocks of one query; larger batches 16 queries a block, so that the
+// grid is read once per 16 queries.
+constexpr int kRotateThreads = 128, kRotateDims = 128, kCellTileDims = 32;
 
 template <typename T, int QUERIES>
 __global__ void __launch_bounds__(kRotateThreads)
-    rotate_queries_kernel(const T* __restrict__ queries, int64_t nq, int dim, const float* __restrict__ grid,
-                          Metric metric, float* __restrict__ out) {
+    rotate_queries_kernel(const T* __restrict__ queries, int64_t nq, int dim, int cells,
+                          const float* __restrict__ grid, Metric metric, float* __restrict__ out) {
   __shared__ float staged[QUERIES][kRotateDims];
+  __shared__ float tile[kCellTileDims][kRotateThreads + 1];  // [dimension][output]; +1: no bank conflicts
   const int64_t first = static_cast<int64_t>(blockIdx.x) * QUERIES;
   const int count = static_cast<int>(std::min<int64_t>(QUERIES, nq - first));
-  const int i = blockIdx.y * kRotateThreads + threadIdx.x;
-  const float* centre = grid + static_cast<int64_t>(dim) * dim;
+  const int first_output = blockIdx.y * kRotateThreads;
+  const int i = first_output + threadIdx.x;
+  const int outputs = dim + cells;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const float* centre = grid + static_cast<int64_t>(dim) * dim;  // c_0, then the other cells
+  const bool has_cells = first_output + kRotateThreads > dim;     // the same for the whole block
   float acc[QUERIES] = {};
   for (int d0 = 0; d0 < dim; d0 += kRotateDims) {
     const int width = dim - d0 < kRotateDims ? dim - d0 : kRotateDims;
-    __syncthreads();  // the previous tile is read
+    __syncthreads();  // the previous tiles are read
     for (int e = threadIdx.x; e < QUERIES * kRotateDims; e += kRotateThreads) {
       const int k = e / kRotateDims, d = e % kRotateDims;
       staged[k][d] = k < count && d < width
@@ -927,11 +955,40 @@ __global__ void __launch_bounds__(kRotateThreads)
         for (int k = 0; k < QUERIES; ++k) acc[k] = int4_rotation_step(acc[k], r, staged[k][d]);
       }
     }
+    if constexpr (QUERIES == 1) {
+      if (i >= dim && i < outputs) {
+        const float* cell = centre + static_cast<int64_t>(i - dim) * dim;
+        for (int d = 0; d < width; ++d) {
+          acc[0] = int4_rotation_step(acc[0], int4_cell_offset(cell[d0 + d], centre[d0 + d], metric), staged[0][d]);
+        }
+      }
+      continue;
+    }
+    if (!has_cells) continue;
+    for (int t0 = 0; t0 < width; t0 += kCellTileDims) {
+      const int tile_width = width - t0 < kCellTileDims ? width - t0 : kCellTileDims;
+      __syncthreads();  // the previous tile is read
+      for (int o = warp; o < kRotateThreads; o += kRotateThreads / kWarpSize) {
+        const int cell = first_output + o - dim;
+        const int d = d0 + t0 + lane;
+        tile[lane][o] = cell >= 0 && cell < cells && lane < tile_width
+                            ? int4_cell_offset(centre[static_cast<int64_t>(cell) * dim + d], centre[d], metric)
+                            : 0.0f;
+      }
+      __syncthreads();
+      if (i >= dim && i < outputs) {
+        for (int d = 0; d < tile_width; ++d) {
+          const float w = tile[d][threadIdx.x];
+#pragma unroll
+          for (int k = 0; k < QUERIES; ++k) acc[k] = int4_rotation_step(acc[k], w, staged[k][t0 + d]);
+        }
+      }
+    }
   }
-  if (i < dim) {
+  if (i < outputs) {
 #pragma unroll
     for (int k = 0; k < QUERIES; ++k) {
-      if (k < count) out[(first + k) * dim + i] = acc[k];
+      if (k < count) out[(first + k) * outputs + i] = acc[k];
     }
   }
 }
@@ -943,16 +1000,17 @@ template <typename T>
 at::Tensor rotate_queries(const at::Tensor& q, const at::Tensor& grid, Metric metric, cudaStream_t stream) {
   const int64_t nq = q.size(0);
   const int dim = static_cast<int>(q.size(1));
-  at::Tensor out = at::empty({nq, dim}, q.options().dtype(at::kFloat));
-  const unsigned column_blocks = static_cast<unsigned>((dim + kRotateThreads - 1) / kRotateThreads);
+  const int cells = static_cast<int>(grid.size(0)) - dim;
+  at::Tensor out = at::empty({nq, dim + cells}, q.options().dtype(at::kFloat));
+  const unsigned column_blocks = static_cast<unsigned>((dim + cells + kRotateThreads - 1) / kRotateThreads);
   if (nq < kRotateOneQueryBelow) {
     rotate_queries_kernel<T, 1><<<dim3(static_cast<unsigned>(nq), column_blocks), kRotateThreads, 0, stream>>>(
-        q.data_ptr<T>(), nq, dim, grid.data_ptr<float>(), metric, out.data_ptr<float>());
+        q.data_ptr<T>(), nq, dim, cells, grid.data_ptr<float>(), metric, out.data_ptr<float>());
   } else {
     constexpr int kQueries = 16;
     rotate_queries_kernel<T, kQueries>
         <<<dim3(static_cast<unsigned>((nq + kQueries - 1) / kQueries), column_blocks), kRotateThreads, 0, stream>>>(
-            q.data_ptr<T>(), nq, dim, grid.data_ptr<float>(), metric, out.data_ptr<float>());
+            q.data_ptr<T>(), nq, dim, cells, grid.data_ptr<float>(), metric, out.data_ptr<float>());
   }
   check_launch();
   return out;
@@ -1001,6 +1059,7 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
     a.code_stride = codes.codes.size(1);
     a.code_dims = static_cast<int>(code_dims(data.size(1), codes.kind));
     a.code_bytes = static_cast<int>(code_bytes(data.size(1), codes.kind));
+    a.code_cells = codes.kind == CodeKind::kInt4 ? static_cast<int>(codes.grid.size(0) - data.size(1)) : 0;
   }
   a.counts = counts.defined() ? counts.data_ptr<int32_t>() : nullptr;
   a.allowed = filter.has_value() ? allowed.data_ptr<bool>() : nullptr;
@@ -1064,7 +1123,7 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   a.out_ids = part_ids.data_ptr<int64_t>();
 
   const int threads = pick_threads(nq * a.searches, sms, a.list_cap);
-  at::Tensor rotated;  // int4: the rotated queries
+  at::Tensor rotated;  // int4: the rotated queries and their cell dots
   // The team fits the rows the traversal reads: the codes where there are codes.
   const int team = a.codes != nullptr && a.warp_rows > 0 ? warp_loop_code_team(a.code_bytes)
                                                           : team_for_row(a.codes != nullptr ? a.code_bytes
