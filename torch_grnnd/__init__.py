@@ -71,6 +71,7 @@ def _warn_without_cuda_kernels() -> None:
 _warn_without_cuda_kernels()
 from . import autograd  # noqa: F401  (registers the backward of search, knn and knn_graph)
 from . import diagnostics, distributed, nn
+from .batching import QueryBatcher
 from .codes import Codes, encode
 from .eval import recall
 from .graph import knn_graph
@@ -80,6 +81,7 @@ from .ops import knn, search, search_distance_counts
 from .params import BuildParams, SearchParams
 from .swapping import SwappingIndex
 
-__all__ = ["info", "Index", "SearchIndex", "EditableIndex", "merge", "SwappingIndex", "BuildParams", "SearchParams", "Codes", "encode", "build", "search",
-           "search_distance_counts", "knn", "knn_graph", "recall", "nn", "distributed", "diagnostics"]
+__all__ = ["info", "Index", "SearchIndex", "EditableIndex", "merge", "SwappingIndex", "QueryBatcher", "BuildParams",
+           "SearchParams", "Codes", "encode", "build", "search", "search_distance_counts", "knn", "knn_graph", "recall",
+           "nn", "distributed", "diagnostics"]
 __version__ = "0.1.0"
