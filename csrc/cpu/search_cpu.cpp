@@ -95,6 +95,7 @@ class CodeDistances {
         metric_(metric),
         hi_(code_dims_),
         lo_(code_dims_),
+        input_(kind_ == CodeKind::kInt4 ? dim : 0),
         rotated_(kind_ == CodeKind::kInt4 ? dim + cells_ : 0) {}
 
   void set_query(const float* q) {
@@ -105,17 +106,16 @@ class CodeDistances {
       // y by rows of the grid (contiguous reads), then the cell dots t_j; each output sums over d
       // in order, as rotate_queries_kernel does.
       std::fill(rotated_.begin(), rotated_.end(), 0.0f);
+      for (int64_t d = 0; d < dim_; ++d) input_[d] = int4_rotation_input(q[d], offset[d], metric_);
       for (int64_t d = 0; d < dim_; ++d) {
-        const float u = int4_rotation_input(q[d], offset[d], metric_);
         const float* rotation = grid_ + d * dim_;
-        for (int64_t i = 0; i < dim_; ++i) rotated_[i] = int4_rotation_step(rotated_[i], rotation[i], u);
+        for (int64_t i = 0; i < dim_; ++i) rotated_[i] = int4_rotation_step(rotated_[i], rotation[i], input_[d]);
       }
       for (int64_t j = 0; j < cells_; ++j) {
         const float* cell = offset + j * dim_;
         float dot = 0.0f;
         for (int64_t d = 0; d < dim_; ++d) {
-          dot = int4_rotation_step(dot, int4_cell_offset(cell[d], offset[d], metric_),
-                                   int4_rotation_input(q[d], offset[d], metric_));
+          dot = int4_rotation_step(dot, int4_cell_offset(cell[d], offset[d], metric_), input_[d]);
         }
         rotated_[dim_ + j] = dot;
       }
@@ -188,6 +188,7 @@ class CodeDistances {
   Metric metric_;
   std::vector<int8_t> hi_;   // the query's levels by dimension (the GPU keeps int4's by slot)
   std::vector<uint8_t> lo_;
+  std::vector<float> input_;    // int4: u, the query as the rotation and the cell dots take it
   std::vector<float> rotated_;  // int4: y, the rotated query, then its dot t_j with each cell
   float scale_ = 1.0f, bias_ = 0.0f;
   int32_t level_sum_ = 0;
