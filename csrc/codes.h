@@ -146,7 +146,7 @@ constexpr int kCodeConstantLanes = 32;
 //   ip:     -<q, x>   = -t_j + K - alpha <v, y>,                   K = alpha <v, P c_j> - <c_j, e>
 //   cosine: 1 - <q, x> = 1 - t_j + K - alpha <v, y>                (q normalised)
 // so a row keeps one float K beside alpha, and the query computes y and its C dots once
-// (int4_rotation_step, in order) and looks up t_j per row. y is quantised as for int8 (16-bit
+// (int4_rotation_step) and looks up t_j per row. y is quantised as for int8 (16-bit
 // levels A_d, split into bytes) and <v, A> = <u, A> - 7.5 sum A is computed in integers, as
 // e = 2 <u, A> - 15 sum A, so <v, y> ~ scale e / 2.
 //
@@ -168,9 +168,12 @@ GRNND_HOST_DEVICE int64_t int4_query_slot(int64_t d) {
   return d - in_word + (in_word % 2) * 4 + in_word / 2;
 }
 
-// One step of y_i = sum_d grid[d][i] u_d, or of the cell dot t_j = sum_d W_jd u_d, taken over d
-// in order on both devices (u_d = q_d - c_0d under l2, q_d otherwise).
+// One step of y_i = sum_d grid[d][i] u_d, or of the cell dot t_j = sum_d W_jd u_d (u_d = q_d - c_0d
+// under l2, q_d otherwise). Both devices sum in the same order: over the dimensions of each chunk
+// of kInt4RotationChunk (from d = 0) in order, then the chunks' sums in order, so that the GPU
+// may sum a query's chunks in parallel (rotate_queries, search_cuda.cu).
 GRNND_HOST_DEVICE float int4_rotation_step(float acc, float rotation, float u) { return fmaf(rotation, u, acc); }
+constexpr int kInt4RotationChunk = 32;
 
 GRNND_HOST_DEVICE float int4_rotation_input(float q, float centre, Metric metric) {
   return metric == Metric::kL2 ? q - centre : q;

@@ -224,9 +224,12 @@ def codes(g: torch.Generator):
         kind, _, cells = kind.partition("@")  # int4 about the default cells (45 here), or as many as given
         coded = grnnd.encode(data, kind, metric=metric, cells=int(cells) if cells else None)
         grnnd.search(data, graph, data[:70], 10, list_size=32, metric=metric, codes=coded)
-        for width in (1, 4, 8):  # the warp loop (two and six slots a lane); the block loop
+        for width in (1, 4, 8):  # the warp loop (two slots a lane); the block loop (few blocks, wide rounds)
             grnnd.search(data, graph, data[:4], 10, list_size=64, search_width=width, metric=metric, codes=coded,
                          searches=1)
+        # 560 blocks, at least four per SM: wide rounds (six slots a lane) in the warp loop
+        grnnd.search(data, graph, data[:70], 10, list_size=32, search_width=4, searches=8, metric=metric,
+                     codes=coded)
         allowed = torch.rand(2000, generator=g, device="cuda") < 0.3
         grnnd.search(data, graph, data[:2], 10, list_size=256, metric=metric, filter=allowed, codes=coded, searches=1)
         grnnd.search(data, graph, data[:1], 10, list_size=64, searches=8, metric=metric, codes=coded)
@@ -236,9 +239,9 @@ def codes(g: torch.Generator):
 def small_batches(g: torch.Generator):
     """What a batch of a few queries runs: the direct hub distances and their sort (2 100 hubs: a
     sort of 4 096 keys in several passes; 20 hubs: one warp), then split searches expanding four
-    parents per iteration, by rows and by codes, in the warp loop (degrees 16 and 32: two and four
-    neighbour slots a lane), and nine parents in the block loop. No 16-bit matrix product, so
-    racecheck runs it whole."""
+    parents per iteration, by rows and by codes, in the warp loop (degree 16: two neighbour slots
+    a lane) and in the block loop, which sorts only the candidates that can enter the list
+    (degree 32, and nine parents). No 16-bit matrix product, so racecheck runs it whole."""
     wide = torch.randn(2_100_000, 8, generator=g, device="cuda")
     for dtype, metric in [(torch.float32, "l2"), (torch.bfloat16, "cosine"), (torch.float32, "ip")]:
         grnnd.diagnostics.nearest_hubs(wide.to(dtype), wide[:3].to(dtype), 70, metric=metric)

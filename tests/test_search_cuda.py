@@ -199,19 +199,40 @@ def test_cuda_graph_capture(points, graph_for, metric, batch):
     assert torch.equal(captured[0], fresh[0]) and torch.equal(captured[1], fresh[1])
 
 
+@pytest.mark.parametrize("search_width", [1, 4])
 @pytest.mark.parametrize("searches", [1, 8])
 @pytest.mark.parametrize("list_size", [32, 128, 512])
-def test_results_do_not_depend_on_the_batch_size(points, graph_for, list_size, searches):
-    # The block size follows the batch (64 threads per query for batches that fill the GPU,
-    # 256 for a few queries); with the number of searches per query and the width fixed (both
-    # follow the batch when left automatic), a query's search, and so its result, is the same.
+def test_results_do_not_depend_on_the_batch_size(points, graph_for, list_size, searches, search_width):
+    # The block size follows the batch (64 threads per query for batches that fill the GPU, up
+    # to 512 for a few queries), and so does the loop of wide rounds (four parents of degree
+    # 48: the block loop, which sorts only the candidates that can enter the list, below four
+    # blocks per SM, the warp loop above); with the number of searches per query and the width
+    # fixed (both follow the batch when left automatic), a query's search, and so its result, is
+    # the same.
     data, queries = points
     graph = graph_for("l2").cuda()
     x = data.cuda()
     many = torch.cat([queries] * 20).cuda()  # 20 000 queries: more than 8 per SM on any GPU
-    d_all, i_all = grnnd.search(x, graph, many, K, list_size=list_size, searches=searches, search_width=1)
+    kw = dict(list_size=list_size, searches=searches, search_width=search_width)
+    d_all, i_all = grnnd.search(x, graph, many, K, **kw)
     for batch in (1, 50, 500):
-        d, i = grnnd.search(x, graph, many[:batch], K, list_size=list_size, searches=searches, search_width=1)
+        d, i = grnnd.search(x, graph, many[:batch], K, **kw)
+        assert torch.equal(i, i_all[:batch]) and torch.equal(d, d_all[:batch])
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_coded_results_do_not_depend_on_the_batch_size(points, graph_for, kind):
+    """By codes as by rows: a few queries take the block loop (the codes' teams, several chunks
+    of a code row in flight, only entering candidates sorted), 20 000 the warp loop."""
+    data, queries = points
+    graph = graph_for("l2").cuda()
+    x = data.cuda()
+    codes = grnnd.encode(x, kind)
+    many = torch.cat([queries] * 20).cuda()
+    kw = dict(list_size=64, searches=1, search_width=4, codes=codes)
+    d_all, i_all = grnnd.search(x, graph, many, K, **kw)
+    for batch in (1, 50, 500):
+        d, i = grnnd.search(x, graph, many[:batch], K, **kw)
         assert torch.equal(i, i_all[:batch]) and torch.equal(d, d_all[:batch])
 
 

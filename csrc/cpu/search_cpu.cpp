@@ -96,6 +96,7 @@ class CodeDistances {
         hi_(code_dims_),
         lo_(code_dims_),
         input_(kind_ == CodeKind::kInt4 ? dim : 0),
+        chunk_(kind_ == CodeKind::kInt4 ? dim : 0),
         rotated_(kind_ == CodeKind::kInt4 ? dim + cells_ : 0) {}
 
   void set_query(const float* q) {
@@ -103,19 +104,29 @@ class CodeDistances {
     const float* offset = kind_ == CodeKind::kInt8 ? grid_ : grid_ + dim_ * dim_;
     const float* step = grid_ + dim_;
     if (kind_ == CodeKind::kInt4) {
-      // y by rows of the grid (contiguous reads), then the cell dots t_j; each output sums over d
-      // in order, as rotate_queries_kernel does.
+      // y by rows of the grid (contiguous reads), then the cell dots t_j; each output sums chunk
+      // by chunk of dimensions, as the GPU does (int4_rotation_step).
       std::fill(rotated_.begin(), rotated_.end(), 0.0f);
       for (int64_t d = 0; d < dim_; ++d) input_[d] = int4_rotation_input(q[d], offset[d], metric_);
-      for (int64_t d = 0; d < dim_; ++d) {
-        const float* rotation = grid_ + d * dim_;
-        for (int64_t i = 0; i < dim_; ++i) rotated_[i] = int4_rotation_step(rotated_[i], rotation[i], input_[d]);
+      for (int64_t first = 0; first < dim_; first += kInt4RotationChunk) {
+        const int64_t last = std::min<int64_t>(first + kInt4RotationChunk, dim_);
+        std::fill(chunk_.begin(), chunk_.end(), 0.0f);
+        for (int64_t d = first; d < last; ++d) {
+          const float* rotation = grid_ + d * dim_;
+          for (int64_t i = 0; i < dim_; ++i) chunk_[i] = int4_rotation_step(chunk_[i], rotation[i], input_[d]);
+        }
+        for (int64_t i = 0; i < dim_; ++i) rotated_[i] += chunk_[i];
       }
       for (int64_t j = 0; j < cells_; ++j) {
         const float* cell = offset + j * dim_;
         float dot = 0.0f;
-        for (int64_t d = 0; d < dim_; ++d) {
-          dot = int4_rotation_step(dot, int4_cell_offset(cell[d], offset[d], metric_), input_[d]);
+        for (int64_t first = 0; first < dim_; first += kInt4RotationChunk) {
+          const int64_t last = std::min<int64_t>(first + kInt4RotationChunk, dim_);
+          float sum = 0.0f;
+          for (int64_t d = first; d < last; ++d) {
+            sum = int4_rotation_step(sum, int4_cell_offset(cell[d], offset[d], metric_), input_[d]);
+          }
+          dot += sum;
         }
         rotated_[dim_ + j] = dot;
       }
@@ -189,6 +200,7 @@ class CodeDistances {
   std::vector<int8_t> hi_;   // the query's levels by dimension (the GPU keeps int4's by slot)
   std::vector<uint8_t> lo_;
   std::vector<float> input_;    // int4: u, the query as the rotation and the cell dots take it
+  std::vector<float> chunk_;    // int4: the rotation's sums over the current chunk of dimensions
   std::vector<float> rotated_;  // int4: y, the rotated query, then its dot t_j with each cell
   float scale_ = 1.0f, bias_ = 0.0f;
   int32_t level_sum_ = 0;

@@ -48,13 +48,19 @@ constexpr int kMaxWarpRows = 8;              // warp_iterations holds lists of u
 constexpr int kMaxWarpCandRows = 8;          // and rounds of up to 8 * 32 candidates (width 4, degree 64)
 constexpr int kAnyBatchCandRows = 2;         // rounds up to 2 * 32 take it at any batch, wider ones when blocks share SMs
 // Chunks of a row in flight per lane in warp_iterations' distances (team_visit). The general loop
-// keeps 1: it was not measured with more on its own.
+// loads code rows the same way; full rows one chunk at a time, as with four the general kernel
+// at batch 10 000 ran 17% slower on rows at list 512 and 39% slower with a filter (its registers;
+// H200, 1M x 384 float16; a one-off run, script not kept), where the coded searches gained 11-37%.
 constexpr int kWarpLoopChunksInFlight = 4;
 // A batch of at most kSmallBatchQueriesPerSm queries per SM leaves the GPU partly idle with one
 // block per query: its automatic search width is the small batches' (params.h,
 // resolve_search_width). searches_for_batch: the largest batch it splits (one query per
 // kSplitSmsPerQuery SMs), the blocks per SM a split aims at, and the fewest searches worth a split.
+// Below kLatencyBoundBlocksPerSm blocks per SM a search's time is its chain of iterations, not
+// the SM's throughput: such a launch gets more threads a block (pick_threads) and wide rounds
+// take the block loop (run_search).
 constexpr int kSmallBatchQueriesPerSm = 2;
+constexpr int kLatencyBoundBlocksPerSm = 4;
 constexpr int kSplitSmsPerQuery = 4;
 constexpr int kSplitBlocksPerSm = 8;
 constexpr int kMinSplit = 8;
@@ -118,6 +124,7 @@ struct Scalars {
   int n_allowed;   // allowed candidates kept for the result list
   int evaluated;   // distances computed by this block
   int done;        // warp_iterations: no parent left (or max_iters reached)
+  int n_entering;  // block_iterations: candidates of this round that can enter the list
   float code_scale;  // with codes: the query's scale and bias (codes.h)
   float code_bias;
   int code_level_sum;  // int4: the sum of the query's levels
@@ -129,6 +136,10 @@ struct Scalars {
 constexpr int kUncoded = 0;    // the rows
 constexpr int kCodedInt8 = 8;  // 8-bit codes
 constexpr int kCodedInt4 = 4;  // 4-bit codes of the rotated rows
+
+// Chunks of a row in flight per lane in block_iterations' distances (kWarpLoopChunksInFlight).
+template <int CODE>
+constexpr int kBlockLoopChunksInFlight = CODE != kUncoded ? kWarpLoopChunksInFlight : 1;
 
 // The query as the code distances need it (codes.h): its 16-bit terms split into a signed high
 // and an unsigned low byte per dimension (shared memory, code_dims each; int4's by
@@ -286,9 +297,36 @@ __device__ void evaluate_and_merge(const SearchArgs& a, const T* __restrict__ x,
     return;
   }
   if (tid == 0) s.evaluated += n;  // thread 0 alone writes and reads it
-  const int n_sort = next_pow2(n);  // <= cand_cap, which is a power of two >= n
-  compute_distances<T, TEAM, CODE>(a, x, query, cq, n, cand_d, cand_i);
-  for (int c = n + tid; c < n_sort; c += blockDim.x) {
+  compute_distances<T, TEAM, CODE, kBlockLoopChunksInFlight<CODE>>(a, x, query, cq, n, cand_d, cand_i);
+  __syncthreads();
+  // Without a filter only a candidate before the list's last kept key can enter the list (as in
+  // warp_iterations), so only those are sorted, and a round none of whose candidates enters
+  // (most rounds late in a search) sorts and merges nothing. Each thread holds one candidate in
+  // registers across the barrier, so this takes rounds of at most blockDim.x candidates; the
+  // survivors' order in cand does not matter, as their keys are distinct and sorted next.
+  int sorted = n;
+  if (a.allowed == nullptr && n <= static_cast<int>(blockDim.x)) {
+    const float worst_d = list_d[a.list_size - 1];
+    const uint32_t worst_i = list_i[a.list_size - 1];
+    const float cd = tid < n ? cand_d[tid] : 0.0f;
+    const uint32_t ci = tid < n ? cand_i[tid] : kEmptyId;
+    const bool enters = tid < n && key_less(cd, ci, worst_d, worst_i);
+    if (tid == 0) s.n_entering = 0;
+    __syncthreads();  // every candidate is read, and the count zeroed, before any survivor moves
+    if (enters) {
+      const int at = atomicAdd(&s.n_entering, 1);
+      cand_d[at] = cd;
+      cand_i[at] = ci;
+    }
+    __syncthreads();
+    sorted = s.n_entering;
+    if (sorted == 0) {  // block-uniform
+      __syncthreads();  // every thread has read s.n_entering and s.n_cand before they change
+      return;
+    }
+  }
+  const int n_sort = next_pow2(sorted);  // <= cand_cap, which is a power of two >= n
+  for (int c = sorted + tid; c < n_sort; c += blockDim.x) {
     cand_d[c] = std::numeric_limits<float>::infinity();
     cand_i[c] = kEmptyId;
   }
@@ -734,43 +772,63 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
   search_block<T, TEAM, CODE, ROWS>(x, queries, a);
 }
 
-// Merges the `searches` sorted parts of k results of each query (one block per query) into its
-// k best distinct ids. Two searches that reached the same node computed the same distance for
-// it (same code, same inputs, same lanes), so after the sort the copies are adjacent keys.
-__global__ void __launch_bounds__(256)
-    merge_searches_kernel(const float* __restrict__ part_dists, const int64_t* __restrict__ part_ids, int per_query,
+// Merges the `searches` sorted parts of k results of each query into its k best distinct ids, one
+// warp per query: lane j holds the head of search j's part, and each step takes the smallest
+// head (a butterfly of shuffles) and moves past it every part whose head holds that id. Two
+// searches that reached the same node computed the same distance for it (same code, same inputs,
+// same lanes), so a node's copies are equal keys and reach the heads together: a step emits one
+// distinct id, and k steps (fewer when the parts run out) finish the query. The parts are staged
+// in shared memory first, so that a step waits on no global load. A bitonic sort of all the
+// parts in one block of 256 threads took about 10 us for 32 searches of 10 (H200), most of it
+// its 45 barrier-separated stages.
+static_assert(kMaxSearches <= kWarpSize, "merge_searches_kernel keeps one part's head per lane");
+__global__ void __launch_bounds__(kWarpSize)
+    merge_searches_kernel(const float* __restrict__ part_dists, const int64_t* __restrict__ part_ids, int searches,
                           int k, float* __restrict__ out_dists, int64_t* __restrict__ out_ids) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int n_sort = next_pow2(per_query);
+  const int per_query = searches * k;  // searches <= kMaxSearches = 32 lanes (params.h)
   float* d = reinterpret_cast<float*>(smem);
-  uint32_t* id = reinterpret_cast<uint32_t*>(d + n_sort);
-  const int tid = threadIdx.x, lane = tid % kWarpSize;
+  uint32_t* id = reinterpret_cast<uint32_t*>(d + per_query);
+  const int lane = threadIdx.x;
   const int64_t in = static_cast<int64_t>(blockIdx.x) * per_query, out = static_cast<int64_t>(blockIdx.x) * k;
-  for (int i = tid; i < n_sort; i += blockDim.x) {
-    const int64_t u = i < per_query ? part_ids[in + i] : -1;
+  for (int i = lane; i < per_query; i += kWarpSize) {
+    const int64_t u = part_ids[in + i];
     d[i] = u >= 0 ? part_dists[in + i] : std::numeric_limits<float>::infinity();
     id[i] = u >= 0 ? static_cast<uint32_t>(u) : kEmptyId;
   }
-  __syncthreads();
-  bitonic<false>(d, id, n_sort);
-  if (tid < kWarpSize) {  // warp 0 keeps the first of each run of equal ids, in order
-    int kept = 0;
-    for (int base = 0; base < n_sort && kept < k; base += kWarpSize) {  // kept is warp-uniform
-      const int i = base + lane;
-      const uint32_t u = i < n_sort ? id[i] : kEmptyId;
-      const bool keep = u != kEmptyId && (i == 0 || id[i - 1] != u);
-      const unsigned bits = __ballot_sync(kFullMask, keep);
-      const int pos = kept + __popc(bits & ((1u << lane) - 1u));
-      if (keep && pos < k) {
-        out_dists[out + pos] = d[i];
-        out_ids[out + pos] = u;
+  __syncwarp();
+  int at = 0;  // position in this lane's part
+  const auto head_d = [&] { return lane < searches && at < k ? d[lane * k + at] : std::numeric_limits<float>::infinity(); };
+  const auto head_i = [&] { return lane < searches && at < k ? id[lane * k + at] : kEmptyId; };
+  float hd = head_d();
+  uint32_t hi = head_i();
+  int kept = 0;
+  for (; kept < k; ++kept) {
+    float best_d = hd;
+    uint32_t best_i = hi;
+#pragma unroll
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+      const float od = __shfl_xor_sync(kFullMask, best_d, offset);
+      const uint32_t oi = __shfl_xor_sync(kFullMask, best_i, offset);
+      if (key_less(od, oi, best_d, best_i)) {
+        best_d = od;
+        best_i = oi;
       }
-      kept += __popc(bits);
     }
-    for (int j = min(kept, k) + lane; j < k; j += kWarpSize) {
-      out_dists[out + j] = std::numeric_limits<float>::infinity();
-      out_ids[out + j] = -1;
+    if (best_i == kEmptyId) break;  // warp-uniform: every part is spent
+    if (lane == 0) {
+      out_dists[out + kept] = best_d;
+      out_ids[out + kept] = best_i;
     }
+    if (hi == best_i) {
+      ++at;
+      hd = head_d();
+      hi = head_i();
+    }
+  }
+  for (int j = kept + lane; j < k; j += kWarpSize) {
+    out_dists[out + j] = std::numeric_limits<float>::infinity();
+    out_ids[out + j] = -1;
   }
 }
 
@@ -780,10 +838,14 @@ __global__ void __launch_bounds__(256)
 // instead, and more threads shorten each iteration. Measured on the H200 (1M x 384 float16
 // normalised clustered rows, list 64): batch 10 000 ran at 2.03M q/s with 64 threads, 1.67M
 // with 128, 1.00M with 256; a batch of 100 took 1.11 ms with 64 threads, 0.80 ms with 128,
-// 0.65 ms with 256. Long lists keep enough threads for the merge network's M/2
-// compare-exchanges per stage.
+// 0.65 ms with 256. Later, with int4 codes at list 32 (search kernel time, a one-off run), a
+// batch of 1 took 98 us with 256 threads and 92 us with 512, a batch of 100 121 and 111 us. Long
+// lists keep enough threads for the merge network's M/2 compare-exchanges per stage.
 int pick_threads(int64_t blocks, int sms, int list_cap) {
-  const int for_batch = blocks >= 8 * sms ? 64 : blocks >= sms ? 128 : 256;
+  const int for_batch = blocks >= 8 * sms                          ? 64
+                        : blocks >= kLatencyBoundBlocksPerSm * sms ? 128
+                        : blocks >= sms                            ? 256
+                                                                   : 512;
   const int for_list = list_cap <= 256 ? 64 : list_cap <= 512 ? 256 : 512;
   return std::max(for_batch, for_list);
 }
@@ -805,7 +867,7 @@ int searches_for_batch(int64_t queries, int sms, int k) {
   return static_cast<int>(std::min<int64_t>(std::max<int64_t>(fill, kMinSplit), max_searches_for_k(k)));
 }
 
-// The team of the warp loop's code distances: the smallest whose lanes each load at most
+// The team of the code distances (both loops): the smallest whose lanes each load at most
 // kWarpLoopChunksInFlight chunks of a code row, so that a row is one round trip and a warp
 // takes as many rows at once as that allows. It differs from team_for_row only for rows of 129
 // to 256 bytes (4 lanes, not 8): on the H200 (1M x 384 real rows, batch 10 000, lists 32-96) the
@@ -813,8 +875,10 @@ int searches_for_batch(int64_t queries, int sms, int k) {
 // 1.93M q/s at list 64; a one-off comparison in one process with the team forced, script not
 // kept), while 384-byte int8 rows ran alike with 4 or 8. benchmarks/README.md ("Searching by
 // 4-bit codes") has the committed before/after run. Full rows keep team_for_row: rows of that
-// length were not measured with 4.
-int warp_loop_code_team(int64_t row_bytes) {
+// length were not measured with 4. The block loop took these teams later: with a filter at batch
+// 10 000 (int4, list 64) it ran 3.94 ms against 4.38 ms with 8 lanes, and alike at small batches
+// (a one-off run).
+int code_team(int64_t row_bytes) {
   const int64_t chunks = (row_bytes + 15) / 16;
   int team = 4;
   while (team < kWarpSize && chunks > static_cast<int64_t>(team) * kWarpLoopChunksInFlight) team *= 2;
@@ -908,39 +972,48 @@ class QueryCheck {
 };
 
 // int4 codes: y = P u of every query and its dots t_j with the cells (codes.h; u = q - c_0 under
-// l2, q otherwise), each summed over d in order (int4_rotation_step) as the CPU sums it. A block
-// takes QUERIES queries and kRotateThreads outputs, one a thread; the queries are staged in
-// shared memory kRotateDims dimensions at a time. The rotation's outputs read the grid's row d at
-// the block's outputs (coalesced). A cell's offsets lie along its centre's row: with one query a
-// block, each thread reads its own row (a chain of dim loads, as long as a rotation output's);
-// with 16, the block stages them kCellTileDims dimensions at a time, a warp reading a row's
-// dimensions together, in a transposed tile each output then reads down. Read along the rows by
-// 16 queries a block, they held a batch of 10 000 queries with 1 000 cells to 3.37M q/s at list
-// 16 against 4.64M with the tiles; the tiles' chain of barriers cost a batch of 1 0.04 ms (H200,
-// 1M x 384 real rows). A batch of 1
-// takes (dim + cells) / 128 blocks of one query; larger batches 16 queries a block, so that the
-// grid is read once per 16 queries.
-constexpr int kRotateThreads = 128, kRotateDims = 128, kCellTileDims = 32;
+// l2, q otherwise), each summed chunk by chunk of dimensions as the CPU sums it
+// (int4_rotation_step). Two kernels, by the batch.
+//
+// rotate_queries_kernel, for batches of at least kRotateOneQueryBelow queries: a block takes
+// kRotateQueries queries and kRotateThreads outputs, one a thread, so that the grid is read once
+// per 16 queries; the queries are staged in shared memory kRotateDims dimensions at a time. The
+// rotation's outputs read the grid's row d at the block's outputs (coalesced). A cell's offsets
+// lie along its centre's row: the block stages them kCellTileDims dimensions at a time, a warp
+// reading a row's dimensions together, in a transposed tile each output then reads down. Read
+// along the rows by each thread, they held a batch of 10 000 queries with 1 000 cells to 3.37M
+// q/s at list 16 against 4.64M with the tiles (H200, 1M x 384 real rows).
+//
+// rotate_query_chunks_kernel, for smaller batches: a block takes one query and 32 outputs, one a
+// lane, and its warps sum different chunks at once (a query's outputs are too few to fill the GPU
+// one a thread: each would wait on a chain of dim loads). A warp loads the whole chunk of its
+// lane's column or centre row before the first product, so a chunk costs one trip to memory;
+// warp 0 adds the chunks' sums in order. One query a block reading whole columns took 14 us
+// with one cell and 34 us with 1 000 (a batch of 1 on an H200, 384 dimensions).
+constexpr int kRotateThreads = 128, kRotateDims = 128, kCellTileDims = 32, kRotateQueries = 16;
+constexpr int kChunkWarps = 8;
+static_assert(kRotateDims % kInt4RotationChunk == 0 && kCellTileDims == kInt4RotationChunk,
+              "rotate_queries_kernel's stages must end where the chunks end");
 
-template <typename T, int QUERIES>
+template <typename T>
 __global__ void __launch_bounds__(kRotateThreads)
     rotate_queries_kernel(const T* __restrict__ queries, int64_t nq, int dim, int cells,
                           const float* __restrict__ grid, Metric metric, float* __restrict__ out) {
-  __shared__ float staged[QUERIES][kRotateDims];
+  __shared__ float staged[kRotateQueries][kRotateDims];
   __shared__ float tile[kCellTileDims][kRotateThreads + 1];  // [dimension][output]; +1: no bank conflicts
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * QUERIES;
-  const int count = static_cast<int>(std::min<int64_t>(QUERIES, nq - first));
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kRotateQueries;
+  const int count = static_cast<int>(std::min<int64_t>(kRotateQueries, nq - first));
   const int first_output = blockIdx.y * kRotateThreads;
   const int i = first_output + threadIdx.x;
   const int outputs = dim + cells;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const float* centre = grid + static_cast<int64_t>(dim) * dim;  // c_0, then the other cells
   const bool has_cells = first_output + kRotateThreads > dim;     // the same for the whole block
-  float acc[QUERIES] = {};
+  float acc[kRotateQueries] = {};
   for (int d0 = 0; d0 < dim; d0 += kRotateDims) {
     const int width = dim - d0 < kRotateDims ? dim - d0 : kRotateDims;
     __syncthreads();  // the previous tiles are read
-    for (int e = threadIdx.x; e < QUERIES * kRotateDims; e += kRotateThreads) {
+    for (int e = threadIdx.x; e < kRotateQueries * kRotateDims; e += kRotateThreads) {
       const int k = e / kRotateDims, d = e % kRotateDims;
       staged[k][d] = k < count && d < width
                          ? int4_rotation_input(static_cast<float>(queries[(first + k) * dim + d0 + d]),
@@ -949,23 +1022,20 @@ __global__ void __launch_bounds__(kRotateThreads)
     }
     __syncthreads();
     if (i < dim) {
-      for (int d = 0; d < width; ++d) {
-        const float r = grid[static_cast<int64_t>(d0 + d) * dim + i];
+      for (int c = 0; c < width; c += kInt4RotationChunk) {
+        const int chunk_end = std::min(width, c + kInt4RotationChunk);
+        float sum[kRotateQueries] = {};
+        for (int d = c; d < chunk_end; ++d) {
+          const float r = grid[static_cast<int64_t>(d0 + d) * dim + i];
 #pragma unroll
-        for (int k = 0; k < QUERIES; ++k) acc[k] = int4_rotation_step(acc[k], r, staged[k][d]);
-      }
-    }
-    if constexpr (QUERIES == 1) {
-      if (i >= dim && i < outputs) {
-        const float* cell = centre + static_cast<int64_t>(i - dim) * dim;
-        for (int d = 0; d < width; ++d) {
-          acc[0] = int4_rotation_step(acc[0], int4_cell_offset(cell[d0 + d], centre[d0 + d], metric), staged[0][d]);
+          for (int k = 0; k < kRotateQueries; ++k) sum[k] = int4_rotation_step(sum[k], r, staged[k][d]);
         }
+#pragma unroll
+        for (int k = 0; k < kRotateQueries; ++k) acc[k] += sum[k];
       }
-      continue;
     }
     if (!has_cells) continue;
-    for (int t0 = 0; t0 < width; t0 += kCellTileDims) {
+    for (int t0 = 0; t0 < width; t0 += kCellTileDims) {  // a tile is a chunk
       const int tile_width = width - t0 < kCellTileDims ? width - t0 : kCellTileDims;
       __syncthreads();  // the previous tile is read
       for (int o = warp; o < kRotateThreads; o += kRotateThreads / kWarpSize) {
@@ -977,23 +1047,74 @@ __global__ void __launch_bounds__(kRotateThreads)
       }
       __syncthreads();
       if (i >= dim && i < outputs) {
+        float sum[kRotateQueries] = {};
         for (int d = 0; d < tile_width; ++d) {
           const float w = tile[d][threadIdx.x];
 #pragma unroll
-          for (int k = 0; k < QUERIES; ++k) acc[k] = int4_rotation_step(acc[k], w, staged[k][t0 + d]);
+          for (int k = 0; k < kRotateQueries; ++k) sum[k] = int4_rotation_step(sum[k], w, staged[k][t0 + d]);
         }
+#pragma unroll
+        for (int k = 0; k < kRotateQueries; ++k) acc[k] += sum[k];
       }
     }
   }
   if (i < outputs) {
 #pragma unroll
-    for (int k = 0; k < QUERIES; ++k) {
+    for (int k = 0; k < kRotateQueries; ++k) {
       if (k < count) out[(first + k) * outputs + i] = acc[k];
     }
   }
 }
 
-// Batches below this many queries rotate one query a block (more blocks, no idle sums).
+template <typename T>
+__global__ void __launch_bounds__(kChunkWarps * kWarpSize)
+    rotate_query_chunks_kernel(const T* __restrict__ queries, int dim, int cells, const float* __restrict__ grid,
+                               Metric metric, float* __restrict__ out) {
+  __shared__ float sums[kChunkWarps][kWarpSize];
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int64_t q = blockIdx.x;
+  const int outputs = dim + cells;
+  const int o = static_cast<int>(blockIdx.y) * kWarpSize + lane;  // this lane's output
+  const float* centre = grid + static_cast<int64_t>(dim) * dim;   // c_0, then the other cells
+  const T* query = queries + q * dim;
+  const int chunks = (dim + kInt4RotationChunk - 1) / kInt4RotationChunk;
+  float acc = 0.0f;  // warp 0's
+  for (int round = 0; round < chunks; round += kChunkWarps) {
+    const int c = round + warp;
+    if (c < chunks) {  // warp-uniform
+      const int first = c * kInt4RotationChunk;
+      const int width = dim - first < kInt4RotationChunk ? dim - first : kInt4RotationChunk;
+      // Lane l holds dimension first + l of c_0 and of u; the products take them by shuffles.
+      const float c0 = lane < width ? centre[first + lane] : 0.0f;
+      const float u = lane < width ? int4_rotation_input(static_cast<float>(query[first + lane]), c0, metric) : 0.0f;
+      float w[kInt4RotationChunk];
+#pragma unroll
+      for (int d = 0; d < kInt4RotationChunk; ++d) {
+        w[d] = 0.0f;
+        if (d < width && o < outputs) {
+          w[d] = o < dim ? grid[static_cast<int64_t>(first + d) * dim + o]
+                         : centre[static_cast<int64_t>(o - dim) * dim + first + d];
+        }
+      }
+      float sum = 0.0f;
+#pragma unroll
+      for (int d = 0; d < kInt4RotationChunk; ++d) {
+        const float ud = __shfl_sync(kFullMask, u, d);
+        const float cd = __shfl_sync(kFullMask, c0, d);
+        if (d < width) sum = int4_rotation_step(sum, o < dim ? w[d] : int4_cell_offset(w[d], cd, metric), ud);
+      }
+      sums[warp][lane] = sum;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      for (int k = 0; k < kChunkWarps && round + k < chunks; ++k) acc += sums[k][lane];
+    }
+    __syncthreads();  // the sums are read before the next round writes them
+  }
+  if (warp == 0 && o < outputs) out[q * outputs + o] = acc;
+}
+
+// Batches below this many queries take rotate_query_chunks_kernel.
 constexpr int64_t kRotateOneQueryBelow = 64;
 
 template <typename T>
@@ -1002,15 +1123,16 @@ at::Tensor rotate_queries(const at::Tensor& q, const at::Tensor& grid, Metric me
   const int dim = static_cast<int>(q.size(1));
   const int cells = static_cast<int>(grid.size(0)) - dim;
   at::Tensor out = at::empty({nq, dim + cells}, q.options().dtype(at::kFloat));
-  const unsigned column_blocks = static_cast<unsigned>((dim + cells + kRotateThreads - 1) / kRotateThreads);
   if (nq < kRotateOneQueryBelow) {
-    rotate_queries_kernel<T, 1><<<dim3(static_cast<unsigned>(nq), column_blocks), kRotateThreads, 0, stream>>>(
-        q.data_ptr<T>(), nq, dim, cells, grid.data_ptr<float>(), metric, out.data_ptr<float>());
+    const unsigned column_blocks = static_cast<unsigned>((dim + cells + kWarpSize - 1) / kWarpSize);
+    rotate_query_chunks_kernel<T><<<dim3(static_cast<unsigned>(nq), column_blocks), kChunkWarps * kWarpSize, 0,
+                                    stream>>>(q.data_ptr<T>(), dim, cells, grid.data_ptr<float>(), metric,
+                                              out.data_ptr<float>());
   } else {
-    constexpr int kQueries = 16;
-    rotate_queries_kernel<T, kQueries>
-        <<<dim3(static_cast<unsigned>((nq + kQueries - 1) / kQueries), column_blocks), kRotateThreads, 0, stream>>>(
-            q.data_ptr<T>(), nq, dim, cells, grid.data_ptr<float>(), metric, out.data_ptr<float>());
+    const unsigned column_blocks = static_cast<unsigned>((dim + cells + kRotateThreads - 1) / kRotateThreads);
+    rotate_queries_kernel<T>
+        <<<dim3(static_cast<unsigned>((nq + kRotateQueries - 1) / kRotateQueries), column_blocks), kRotateThreads,
+           0, stream>>>(q.data_ptr<T>(), nq, dim, cells, grid.data_ptr<float>(), metric, out.data_ptr<float>());
   }
   check_launch();
   return out;
@@ -1080,16 +1202,20 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   a.cand_cap = std::max(a.list_cap, next_pow2(static_cast<int>(per_round)));
   a.search_width = width;
   a.max_iters = p.max_iters;
-  // Rounds wider than two slots a lane take the warp loop only when there are at least as many
-  // blocks as SMs. Measured with every such round in the warp loop (H200, 1M x 384 real rows,
-  // width 4): a batch of 10 (320 blocks) ran 8-10% faster than in the block loop and a batch of
-  // 100 (100 blocks) 11-13%, but a batch of 1 (32 blocks) 8% slower, 0.207 -> 0.227 ms. Why the
-  // batch of 1 loses is not known (its 32 searches keep lists of 16); until it is, only the
-  // measured gain with blocks >= SMs is taken, and the batch of 100 keeps the block loop.
+  // Rounds wider than two slots a lane take the warp loop only when the blocks are many. With few
+  // blocks per SM, warp 0's serial expansion, sort and merge are the chain a search waits on, and
+  // the block loop (every thread expanding and loading rows, only the candidates that can enter
+  // the list sorted) is faster. Search kernel time on one H200 (1M x 384 normalised clustered
+  // float16 rows, int4 codes, list 32; one-off runs with the choices forced, script not kept;
+  // benchmarks/README.md has the committed before/after): a batch of 1 (32 blocks of 512
+  // threads) 159 us in the warp loop against 131 us in the block loop, before that loop sorted
+  // only the entering candidates; with it, a batch of 10 (320 blocks of 256) 218 against 120 us,
+  // while a batch of 1 000 (1 000 blocks) took 304 us in the warp loop (128 threads) against
+  // 402 us in the block loop (256).
   const int64_t blocks = nq * a.searches;
   const bool warp_fits = !filter.has_value() && a.list_cap <= kMaxWarpRows * kWarpSize &&
                          per_round <= kMaxWarpCandRows * kWarpSize &&
-                         (per_round <= kAnyBatchCandRows * kWarpSize || blocks >= sms);
+                         (per_round <= kAnyBatchCandRows * kWarpSize || blocks >= kLatencyBoundBlocksPerSm * sms);
   // Two rows at least: a one-row variant spilled registers (ptxas, sm_90) and would add a kernel
   // per storage type and team for lists of at most 32.
   a.warp_rows = warp_fits ? std::max(2, a.list_cap / kWarpSize) : 0;  // list_cap is a power of two
@@ -1122,10 +1248,10 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   a.out_dists = part_dists.data_ptr<float>();
   a.out_ids = part_ids.data_ptr<int64_t>();
 
-  const int threads = pick_threads(nq * a.searches, sms, a.list_cap);
+  const int threads = pick_threads(blocks, sms, a.list_cap);
   at::Tensor rotated;  // int4: the rotated queries and their cell dots
   // The team fits the rows the traversal reads: the codes where there are codes.
-  const int team = a.codes != nullptr && a.warp_rows > 0 ? warp_loop_code_team(a.code_bytes)
+  const int team = a.codes != nullptr ? code_team(a.code_bytes)
                                                           : team_for_row(a.codes != nullptr ? a.code_bytes
                                                                                             : static_cast<int64_t>(a.dim) *
                                                                                                   x.element_size());
@@ -1158,9 +1284,9 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   });
   if (a.searches > 1) {
     const int per_query = a.searches * p.k;  // <= kMaxMergeKeys (params.h)
-    const size_t merge_smem = (sizeof(float) + sizeof(uint32_t)) * static_cast<size_t>(next_pow2(per_query));
-    merge_searches_kernel<<<static_cast<unsigned>(nq), 256, merge_smem, stream>>>(
-        part_dists.data_ptr<float>(), part_ids.data_ptr<int64_t>(), per_query, p.k, out_dists.data_ptr<float>(),
+    const size_t merge_smem = (sizeof(float) + sizeof(uint32_t)) * static_cast<size_t>(per_query);
+    merge_searches_kernel<<<static_cast<unsigned>(nq), kWarpSize, merge_smem, stream>>>(
+        part_dists.data_ptr<float>(), part_ids.data_ptr<int64_t>(), a.searches, p.k, out_dists.data_ptr<float>(),
         out_ids.data_ptr<int64_t>());
     check_launch();
   }
