@@ -177,6 +177,30 @@ def test_settings_as_params_or_keywords():
     assert grnnd.Index.from_state_dict(index.state_dict()).build_params == index.build_params
 
 
+
+def test_merged_keyword_settings_are_reused_and_kept_apart():
+    # Plain keywords are merged once and looked up after (every search merges its keywords);
+    # values of other types, a tensor filter and explicit params are merged afresh every call.
+    a = grnnd.SearchParams.merge(None, k=7, list_size=40)
+    assert grnnd.SearchParams.merge(None, k=7, list_size=40) is a and (a.k, a.list_size) == (7, 40)
+    assert type(grnnd.SearchParams.merge(None, k=7, list_size=40.0).list_size) is float
+    assert grnnd.SearchParams.merge(None, k=7, list_size=True).list_size is True
+    b = grnnd.SearchParams.merge(None, list_size=40, k=7)
+    assert (b.k, b.list_size) == (7, 40)
+    assert grnnd.BuildParams.merge(None, degree=8) is grnnd.BuildParams.merge(None, degree=8)
+    assert grnnd.BuildParams.merge(None, degree=8) == grnnd.BuildParams(degree=8)
+    allowed = torch.ones(DATA.shape[0], dtype=torch.bool)
+    first, second = (grnnd.SearchParams.merge(None, filter=allowed.clone()) for _ in range(2))
+    assert first is not second and first.filter is not second.filter
+    base = grnnd.SearchParams(k=3)
+    merged = grnnd.SearchParams.merge(base, list_size=40)
+    assert (merged.k, merged.list_size) == (3, 40) and merged is not grnnd.SearchParams.merge(base, list_size=40)
+    for _ in range(2):
+        with pytest.raises(TypeError, match=r"SearchParams: unknown setting\(s\) \['list_sise'\]"):
+            grnnd.SearchParams.merge(None, list_sise=32)
+    assert grnnd.search(DATA, GRAPH, QUERIES, 4, list_size=32)[1].shape == (QUERIES.shape[0], 4)
+
+
 def test_index_round_trip(tmp_path):
     data = clustered(3000, 16, 20, seed=13)
     queries = clustered(50, 16, 20, seed=14)
