@@ -49,8 +49,9 @@ constexpr int kMaxWarpCandRows = 8;          // and rounds of up to 8 * 32 candi
 constexpr int kAnyBatchCandRows = 2;         // rounds up to 2 * 32 take it at any batch, wider ones when blocks share SMs
 // Chunks of a row in flight per lane in warp_iterations' distances (team_visit). The general loop
 // loads code rows the same way; full rows one chunk at a time, as with four the general kernel
-// at batch 10 000 ran 17% slower on rows at list 512 and 39% slower with a filter (its registers;
-// H200, 1M x 384 float16; a one-off run, script not kept), where the coded searches gained 11-37%.
+// at batch 10 000 ran 67% slower on rows at list 512 and 39% slower with a filter, where the
+// coded searches gained 7-15% (registers, presumably; H200, 1M x 384 float16, before the block loop
+// sorted only entering candidates; a one-off run, script not kept).
 constexpr int kWarpLoopChunksInFlight = 4;
 // A batch of at most kSmallBatchQueriesPerSm queries per SM leaves the GPU partly idle with one
 // block per query: its automatic search width is the small batches' (params.h,
