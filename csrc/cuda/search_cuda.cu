@@ -780,8 +780,9 @@ __global__ void __launch_bounds__(kMaxThreads, 2)
 // same lanes), so a node's copies are equal keys and reach the heads together: a step emits one
 // distinct id, and k steps (fewer when the parts run out) finish the query. The parts are staged
 // in shared memory first, so that a step waits on no global load. A bitonic sort of all the
-// parts in one block of 256 threads took about 10 us for 32 searches of 10 (H200), most of it
-// its 45 barrier-separated stages.
+// parts in one block of 256 threads took about 10 us for 32 searches of 10 (H200, benchmarks/
+// results/profile_small_batches_latency_h200_before.txt), most of it its 45 barrier-separated
+// stages.
 static_assert(kMaxSearches <= kWarpSize, "merge_searches_kernel keeps one part's head per lane");
 __global__ void __launch_bounds__(kWarpSize)
     merge_searches_kernel(const float* __restrict__ part_dists, const int64_t* __restrict__ part_ids, int searches,
@@ -990,7 +991,8 @@ class QueryCheck {
 // one a thread: each would wait on a chain of dim loads). A warp loads the whole chunk of its
 // lane's column or centre row before the first product, so a chunk costs one trip to memory;
 // warp 0 adds the chunks' sums in order. One query a block reading whole columns took 14 us
-// with one cell and 34 us with 1 000 (a batch of 1 on an H200, 384 dimensions).
+// with one cell (a one-off run) and 35 us with 1 000 (benchmarks/results/
+// profile_small_batches_latency_h200_before.txt; a batch of 1 on an H200, 384 dimensions).
 constexpr int kRotateThreads = 128, kRotateDims = 128, kCellTileDims = 32, kRotateQueries = 16;
 constexpr int kChunkWarps = 8;
 static_assert(kRotateDims % kInt4RotationChunk == 0 && kCellTileDims == kInt4RotationChunk,
