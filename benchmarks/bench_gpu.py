@@ -160,8 +160,8 @@ def main():
     p.add_argument("--widths", default="1")
     p.add_argument("--ablation", action="store_true")
     p.add_argument("--exact-graph", action="store_true")
-    p.add_argument("--small-batches", action="store_true", help="latency of batches of 1, 100 and 1000")
-    p.add_argument("--small-lists", default="32,64,96", help="list sizes of --small-batches")
+    p.add_argument("--small-batches", action="store_true", help="latency of batches of 1, 10, 100 and 1000")
+    p.add_argument("--small-lists", default="10,16,24,32,64", help="list sizes of --small-batches")
     p.add_argument("--split-searches", default="0,1", help="searches per query of --small-batches (0 = auto)")
     p.add_argument("--build", default="", help="build params, e.g. pool_size=64,inner_iters=8")
     p.add_argument("--codes", default="", help="comma-separated code kinds to search by as well, same graph: "

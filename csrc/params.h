@@ -108,19 +108,24 @@ struct SearchParams {
 SearchParams make_search_params(int64_t k, int64_t list_size, int64_t search_width, int64_t max_iters,
                                 const std::string& metric, int64_t seed, int64_t searches, int64_t hub_entries);
 
-// Parents a search expands per iteration when its search_width is 0 (automatic): one when the
-// batch fills the device (each extra parent adds distances, and a full device pays for every
-// one), kSmallBatchSearchWidth when it does not (a query's iterations are a chain of dependent
-// memory round trips, and wider iterations shorten the chain where the distances are free).
-// Measured on the H200 (1M x 384 normalised clustered float16 rows, default build and codes;
-// benchmarks/README.md, profile_small_batches.py --sweep): at batches of 1, 10 and 100 and
-// lists of 32 and 64, width 4 was both faster and more accurate than width 1 at the same list,
-// e.g. a batch of 1 at list 32 in 0.242 ms at recall 0.993 against 0.274 ms at 0.973. The CPU
-// always counts as full: one core already runs one query at full speed.
-constexpr int kSmallBatchSearchWidth = 4;
-inline int resolve_search_width(int search_width, bool batch_fills_device) {
+// Parents a search expands per iteration when its search_width is 0 (automatic), by the queries
+// per SM of a CUDA batch: 4 up to kWidestBatchQueriesPerSm, 2 up to kWideBatchQueriesPerSm, 1
+// beyond. A query's iterations are a chain of dependent memory round trips; wider iterations
+// shorten the chain, at the price of distances that a full device pays for and an idle one does
+// not. Measured on the H200 (1M x 384 real embeddings, default build, calls timed from Python; a
+// one-off sweep of widths 1/2/4, lists 24-64, batches of 100, 1 000 and 3 000; benchmarks/
+// README.md has the committed before/after): a batch of 1 000 (7.6 queries per SM) by int8 codes
+// at list 48 ran at 1.56M q/s, recall 0.965, with width 4 against 1.27M, 0.961, with width 1; a
+// batch of 3 000 (23 per SM) at recall 0.95 by int8 codes at 2.50M / 2.86M / 2.91M q/s with
+// widths 1 / 2 / 4 (read off each width's curve), at 0.97 at 1.6M / 1.95M / 1.96M, by full rows at
+// 0.95 at 1.79M / 1.94M / 1.91M. Earlier (1M x 384 clustered rows, profile_small_batches.py
+// --sweep) width 4 was both faster and more accurate than width 1 at batches of 1, 10 and 100.
+// The CPU (sms = 0) always takes 1: one core already runs one query at full speed.
+constexpr int64_t kWidestBatchQueriesPerSm = 8;
+constexpr int64_t kWideBatchQueriesPerSm = 24;
+inline int resolve_search_width(int search_width, int64_t queries, int64_t sms) {
   if (search_width > 0) return search_width;
-  return batch_fills_device ? 1 : kSmallBatchSearchWidth;
+  return queries <= kWidestBatchQueriesPerSm * sms ? 4 : queries <= kWideBatchQueriesPerSm * sms ? 2 : 1;
 }
 
 // Entry points of a search with a list of `list` entries that come from hubs: hub_entries, or

@@ -254,12 +254,13 @@ def test_warp_iterations_match_the_general_loop(points, graph_for, metric, list_
 @pytest.mark.parametrize("searches", [4, 16])
 @pytest.mark.parametrize("metric", ["l2", "cosine"])
 def test_split_search_matches_cpu(points, graph_for, metric, searches):
-    """Several searches per query: same recall and about the same work as the CPU twin."""
+    """Several searches per query: same recall and about the same work as the CPU twin (at the
+    CPU's width: left automatic, a GPU expands more parents in a batch this small)."""
     data, queries = points[0], points[1][:300]
     graph = graph_for(metric)
     truth = exact(data, queries, K, metric)
     for list_size in (32, 64):
-        kw = dict(list_size=list_size, metric=metric, searches=searches)
+        kw = dict(list_size=list_size, metric=metric, searches=searches, search_width=1)
         _, cpu_ids = grnnd.search(data, graph, queries, K, **kw)
         dists, ids = grnnd.search(data.cuda(), graph.cuda(), queries.cuda(), K, **kw)
         check_rows(dists, ids, N)
@@ -307,12 +308,12 @@ def test_small_batches_are_split_automatically(points, graph_for):
 
 
 def test_small_batches_expand_four_parents_by_default(points, graph_for):
-    """search_width=0 (the default) is 4 for a batch of at most two queries per SM and 1 for a
-    larger one (params.h, resolve_search_width): the same results as those widths given."""
+    """search_width=0 (the default) is 4 for a batch of at most 8 queries per SM, 2 up to 24 and 1
+    beyond (params.h, resolve_search_width): the same results as those widths given."""
     data, graph = points[0].cuda(), graph_for("l2").cuda()
     queries = points[1].cuda()
     sms = torch.cuda.get_device_properties(queries.device).multi_processor_count
-    for batch, width in ((1, 4), (5, 4), (2 * sms, 4), (2 * sms + 1, 1)):
+    for batch, width in ((1, 4), (5, 4), (8 * sms, 4), (8 * sms + 1, 2), (24 * sms, 2), (24 * sms + 1, 1)):
         q = torch.cat([queries] * (batch // NQ + 1))[:batch]
         auto = grnnd.search(data, graph, q, K, list_size=64)
         given = grnnd.search(data, graph, q, K, list_size=64, search_width=width)
@@ -338,6 +339,23 @@ def test_non_default_stream_and_repeatability(points, graph_for):
         dists, ids = grnnd.search(data, graph, queries, K, list_size=64)
     stream.synchronize()
     assert torch.equal(ids, ref[1]) and torch.equal(dists, ref[0])
+
+
+@pytest.mark.parametrize("batch", [3, 700, 40_000])
+def test_non_finite_queries_name_their_first_row(points, graph_for, batch):
+    # The check's kernel writes one answer a block (at most 1 024 blocks of 256 values, which
+    # then step through the rest): 3 queries of 64 values take one block, 700 take 175 (the bad
+    # rows in blocks 87, 116 and 174) and 40 000 all 1 024 (blocks 904, 522 and 778: later rows
+    # in lower blocks).
+    data, graph = points[0].cuda(), graph_for("l2").cuda()
+    queries = points[1].cuda().repeat(batch // NQ + 1, 1)[:batch].clone()
+    bad = sorted({batch - 1, batch // 2, (2 * batch) // 3})
+    for row, value in zip(bad, (float("inf"), float("nan"), float("-inf"))):
+        queries[row, row % DIM] = value
+    with pytest.raises(ValueError, match=f"queries: expected finite values, row {bad[0]} holds"):
+        grnnd.search(data, graph, queries, K, list_size=32)
+    queries[bad] = points[1][:len(bad)].cuda()
+    grnnd.search(data, graph, queries, K, list_size=32)  # finite again: no stale answer raises
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

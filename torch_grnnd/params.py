@@ -144,9 +144,9 @@ class SearchParams(_Settings):
         list_size: internal candidate list (CAGRA's itopk, HNSW's ef); 0 means max(k, 64); at
             most 1024. Longer lists raise recall and cost speed.
         search_width: parents expanded per iteration; 0 (the default) lets the backend choose:
-            1 for a batch that fills the device, 4 on a GPU for a batch too small to (at most
-            two queries per SM), where wider iterations shorten each query's chain of dependent
-            steps and cost nothing the idle GPU would otherwise do. The CPU always takes 1.
+            on a GPU 4 for a batch of at most 8 queries per SM, 2 up to 24 per SM and 1 beyond,
+            as wider iterations shorten each query's chain of dependent steps at the price of
+            distances a full GPU pays for and a partly idle one does not. The CPU always takes 1.
         max_iters: iteration cap; 0 means until no unexpanded parent is left.
         searches: independent searches per query; 0 lets the backend choose; at most 32, and
             ``searches * k <= 4096``.

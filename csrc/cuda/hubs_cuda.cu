@@ -15,6 +15,7 @@
 // itself a few hundredths of that. The fused kernel multiplies a tile of 128 rows with a tile of
 // 128 hubs on tensor cores (mma.sync m16n8k16, float32 accumulation, as at::mm does for half
 // rows) and each thread folds the scores it holds into its rows' k smallest right away.
+#include <cfloat>
 #include <cstdint>
 #include <type_traits>
 
@@ -39,6 +40,12 @@ constexpr int kWarpsPerBlock = 8;
 __device__ __forceinline__ bool before(float a, int32_t ca, float b, int32_t cb) {
   return a < b || (a == b && ca < cb);
 }
+
+// A score as the lists rank it: NaN and +inf (from a non-finite query, which the search rejects
+// only after its kernels are queued) become the largest finite float, so that a row still keeps
+// k real columns and the ids gathered with them stay in range. One instruction (fminf returns
+// the number when one operand is NaN).
+__device__ __forceinline__ float rankable(float score) { return fminf(score, FLT_MAX); }
 
 // (score, column) into a list of K kept ascending by `before`.
 template <int K>
@@ -82,7 +89,7 @@ __global__ void __launch_bounds__(kWarp * kWarpsPerBlock)
   for (int32_t c = lane; c < h; c += kWarp) {
     float score = fmaf(weight[c], row[c], bias[c]);
     if (row_lift != nullptr) score = fmaf(lift, lift_coef[c], score);
-    keep_smallest<K>(best, column, score, c);
+    keep_smallest<K>(best, column, rankable(score), c);
   }
   // Merge: k times, the warp's smallest head is taken and its lane moves on to its next entry.
   // A column lives in one lane only, so exactly one lane owns the winner.
@@ -170,8 +177,9 @@ __device__ __forceinline__ void copies_landed() {
 #endif
 }
 
-// weight, bias (and lift_coef) are padded to whole tiles, the padding's bias +inf: no column
-// past h is ever kept, and the epilogue needs no bounds test.
+// weight, bias (and lift_coef) are padded to whole tiles, the padding's bias +inf (ranked as the
+// largest finite score, after every real column, as k <= h): no column past h reaches the output,
+// and the epilogue needs no bounds test.
 template <typename T, int K, bool LIFT>
 __global__ void __launch_bounds__(kFusedThreads, 2)
     fused_nearest_kernel(const T* __restrict__ rows, int64_t m, const T* __restrict__ hubs, int32_t h, int d,
@@ -291,6 +299,7 @@ __global__ void __launch_bounds__(kFusedThreads, 2)
               const int s = 2 * mt + half;  // rows g + 8 s of the warp's 32
               float score = fmaf(w, acc[mt][nt][2 * half + e], b0);
               if (LIFT) score = fmaf(lift[s], coef, score);
+              score = rankable(score);
               if (score < best[s][K - 1]) keep_smallest<K>(best[s], column[s], score, static_cast<int32_t>(c));
             }
           }

@@ -53,14 +53,12 @@ constexpr int kAnyBatchCandRows = 2;         // rounds up to 2 * 32 take it at a
 // coded searches gained 7-15% (registers, presumably; H200, 1M x 384 float16, before the block loop
 // sorted only entering candidates; a one-off run, script not kept).
 constexpr int kWarpLoopChunksInFlight = 4;
-// A batch of at most kSmallBatchQueriesPerSm queries per SM leaves the GPU partly idle with one
-// block per query: its automatic search width is the small batches' (params.h,
-// resolve_search_width). searches_for_batch: the largest batch it splits (one query per
-// kSplitSmsPerQuery SMs), the blocks per SM a split aims at, and the fewest searches worth a split.
+// The automatic search width goes by the queries per SM (params.h, resolve_search_width).
+// searches_for_batch: the largest batch it splits (one query per kSplitSmsPerQuery SMs), the
+// blocks per SM a split aims at, and the fewest searches worth a split.
 // Below kLatencyBoundBlocksPerSm blocks per SM a search's time is its chain of iterations, not
 // the SM's throughput: such a launch gets more threads a block (pick_threads) and wide rounds
 // take the block loop (run_search).
-constexpr int kSmallBatchQueriesPerSm = 2;
 constexpr int kLatencyBoundBlocksPerSm = 4;
 constexpr int kSplitSmsPerQuery = 4;
 constexpr int kSplitBlocksPerSm = 8;
@@ -915,61 +913,74 @@ void launch(const T* x, const at::Tensor& q, const SearchArgs& a, int threads, s
   check_launch();
 }
 
-// Lowest row of `rows` (count elements of rows of `dim`) that holds a NaN or Inf, as an atomic
-// minimum into *first, which starts at the number of rows.
+// Lowest row of `rows` (count elements of rows of `dim`) that holds a NaN or Inf, found per
+// block: block b writes its lowest such row, or `rows_count` if none, to block_first[b], which
+// lies in pinned host memory (stores straight to the host: no fill before, no copy after).
 template <typename scalar_t>
-__global__ void first_non_finite_row_kernel(const scalar_t* rows, int64_t count, int64_t dim,
-                                            unsigned long long* first) {
+__global__ void first_non_finite_row_kernel(const scalar_t* rows, int64_t count, int64_t dim, int64_t rows_count,
+                                            int64_t* block_first) {
+  __shared__ unsigned long long first;
+  if (threadIdx.x == 0) first = static_cast<unsigned long long>(rows_count);
+  __syncthreads();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
-    if (!isfinite(static_cast<double>(rows[i]))) atomicMin(first, static_cast<unsigned long long>(i / dim));
+    if (!isfinite(static_cast<double>(rows[i]))) atomicMin(&first, static_cast<unsigned long long>(i / dim));
   }
+  __syncthreads();
+  if (threadIdx.x == 0) block_first[blockIdx.x] = static_cast<int64_t>(first);
 }
 
 // The finiteness check of the queries, split around the search: the constructor queues a kernel
-// that finds the first non-finite row and the copy of its answer to the host, finish() waits for
-// that copy alone (not for the search queued after it) and raises. So a search returns while its
-// kernels still run, and a caller can queue more work (a collective, a merge) behind them.
-// Skipped under CUDA-graph capture (contents_readable); the search orders NaN distances last
-// either way.
+// that finds the first non-finite row and writes its answer to pinned host memory, finish() waits
+// for that kernel alone (not for the search queued after it) and raises. So a search returns
+// while its kernels still run, and a caller can queue more work (a collective, a merge) behind
+// them. One launch: a fill before it and a copy after it were two more, each a few microseconds
+// of a batch of one. Skipped under CUDA-graph capture (contents_readable); the search orders NaN
+// distances last either way.
 class QueryCheck {
  public:
   QueryCheck(const at::Tensor& queries, cudaStream_t stream) {
     if (!contents_readable(queries)) return;
     const at::Tensor rows = queries.contiguous();
     rows_ = rows.size(0);
-    const at::Tensor first = at::full({1}, rows_, rows.options().dtype(at::kLong));
     const int64_t count = rows.numel();
-    const int blocks = static_cast<int>(std::min<int64_t>((count + 255) / 256, 1024));
+    if (count == 0) return;
+    const int blocks = static_cast<int>(std::min<int64_t>((count + 255) / 256, kMaxBlocks));
+    host_first_ = at::empty({blocks}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    void* device_first = nullptr;
+    C10_CUDA_CHECK(cudaHostGetDevicePointer(&device_first, host_first_.data_ptr(), 0));
     GRNND_DISPATCH_STORAGE(rows.scalar_type(), "first_non_finite_row", [&] {
-      first_non_finite_row_kernel<scalar_t><<<blocks, 256, 0, stream>>>(
-          rows.data_ptr<scalar_t>(), count, rows.size(1),
-          reinterpret_cast<unsigned long long*>(first.data_ptr<int64_t>()));
+      first_non_finite_row_kernel<scalar_t><<<blocks, 256, 0, stream>>>(rows.data_ptr<scalar_t>(), count, rows.size(1),
+                                                                        rows_, static_cast<int64_t*>(device_first));
     });
     check_launch();
-    host_first_ = at::empty({1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-    host_first_.copy_(first, /*non_blocking=*/true);
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming));
-    C10_CUDA_CHECK(cudaEventRecord(copied_, stream));
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&written_, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(written_, stream));
   }
 
   QueryCheck(const QueryCheck&) = delete;
   QueryCheck& operator=(const QueryCheck&) = delete;
 
+  // The kernel writes host memory the allocator knows nothing of: it must have finished before
+  // that memory is freed, also when the search raised before finish().
   ~QueryCheck() {
-    if (copied_ != nullptr) C10_CUDA_CHECK_WARN(cudaEventDestroy(copied_));
+    if (written_ == nullptr) return;
+    C10_CUDA_CHECK_WARN(cudaEventSynchronize(written_));
+    C10_CUDA_CHECK_WARN(cudaEventDestroy(written_));
   }
 
   void finish() const {
-    if (copied_ == nullptr) return;
-    C10_CUDA_CHECK(cudaEventSynchronize(copied_));
-    const int64_t row = host_first_.item<int64_t>();
+    if (written_ == nullptr) return;
+    C10_CUDA_CHECK(cudaEventSynchronize(written_));
+    const int64_t* first = host_first_.data_ptr<int64_t>();
+    const int64_t row = *std::min_element(first, first + host_first_.numel());
     if (row < rows_) fail_non_finite("queries", row);
   }
 
  private:
-  at::Tensor host_first_;  // pinned
-  cudaEvent_t copied_ = nullptr;  // recorded after the copy to host_first_
+  static constexpr int64_t kMaxBlocks = 1024;
+  at::Tensor host_first_;  // pinned: each block's lowest non-finite row (rows_ if none)
+  cudaEvent_t written_ = nullptr;  // recorded after the kernel that writes host_first_
   int64_t rows_ = 0;
 };
 
@@ -1170,7 +1181,7 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   int device = queries.device().index(), optin = 0, sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int width = resolve_search_width(p.search_width, nq > kSmallBatchQueriesPerSm * static_cast<int64_t>(sms));
+  const int width = resolve_search_width(p.search_width, nq, sms);
   TORCH_CHECK_VALUE(width <= kMaxSearchWidth, "search_width: expected <= ", kMaxSearchWidth);
   const int64_t per_round = static_cast<int64_t>(width) * degree;
   TORCH_CHECK_VALUE(per_round <= (1 << 16), "search_width * graph degree: the CUDA search expands at most 65536 ",
