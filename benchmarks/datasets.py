@@ -95,7 +95,12 @@ def parse_sets(spec: str) -> list:
     return sets
 
 
-FAMILIES = ("blobs", "zipf", "aniso", "zipf_aniso")
+FAMILIES = ("blobs", "zipf", "aniso", "zipf_aniso", "zipf_tiny")
+# Rows per cluster on average: about 1 000, or 20 for zipf_tiny (most of its clusters then hold a
+# few rows, and most of its rare queries come from such clusters).
+_ROWS_PER_CLUSTER = {"zipf_tiny": 20}
+# Spread of the cluster centres (the noise is about 1 a dimension): well apart, or overlapping.
+_CENTRE_SPREAD = {"zipf_aniso": 1.5, "zipf_tiny": 1.0}
 
 
 def _clusters(family: str, n: int, d: int, g: torch.Generator, device):
@@ -104,15 +109,15 @@ def _clusters(family: str, n: int, d: int, g: torch.Generator, device):
     [C] for the rows' labels, None for uniform)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}")
-    clusters = max(n // 1000, 10)
-    centres = torch.randn(clusters, d, generator=g, device=device) * (1.5 if family == "zipf_aniso" else 3)
+    clusters = max(n // _ROWS_PER_CLUSTER.get(family, 1000), 10)
+    centres = torch.randn(clusters, d, generator=g, device=device) * _CENTRE_SPREAD.get(family, 3)
     if family == "aniso":  # the centres above are drawn all the same, so that the rows stay those of earlier runs
         return torch.zeros(1, d, device=device), torch.logspace(0, -1.5, d, device=device), None
     scales = 1.0
-    if family == "zipf_aniso":
+    if family in ("zipf_aniso", "zipf_tiny"):
         scales = 10 ** (torch.rand(clusters, d, generator=g, device=device) * 1.25 - 1.0)
     weights = None
-    if family in ("zipf", "zipf_aniso"):
+    if family in ("zipf", "zipf_aniso", "zipf_tiny"):
         weights = (1.0 / torch.arange(1, clusters + 1, device=device, dtype=torch.float64)).float()
     return centres, scales, weights
 

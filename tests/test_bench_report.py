@@ -87,6 +87,25 @@ def test_scale_families_and_their_rare_queries():
     assert (spread[0] / spread[1]).max() > 2 and (spread[0] / spread[1]).min() < 0.5
 
 
+def test_the_tiny_cluster_family_is_mostly_rare_categories():
+    # zipf_tiny: N / 20 clusters of Zipf sizes, so most clusters (and most rare queries) hold a
+    # few rows, while the in queries come from the big ones; its centres overlap more than
+    # zipf_aniso's (spread 1 against 1.5).
+    from benchmarks.datasets import make_rare_queries, make_set
+    base, queries, base_labels, query_labels = make_set("zipf_tiny", 20_000, 16, want_labels=True, device="cpu")
+    assert base.shape == (20_000, 16) and queries.shape == (1_000, 16)
+    sizes = torch.bincount(base_labels, minlength=1_000)
+    assert sizes.numel() == 1_000 and base_labels.max() < 1_000
+    assert (sizes <= 10).float().mean() > 0.5  # most clusters hold a few rows
+    rare, rare_labels = make_rare_queries("zipf_tiny", 20_000, 16, device="cpu")
+    assert sizes[rare_labels].float().median() <= 10 < sizes[query_labels].float().median()
+    # The spread of the centres, from the means of the five largest clusters (labels 0-4).
+    def spread(rows, labels):
+        return torch.stack([rows[labels == c].float().mean(0) for c in range(5)]).std().item()
+    other, _, other_labels, _ = make_set("zipf_aniso", 20_000, 16, want_labels=True, device="cpu")
+    assert spread(base, base_labels) < spread(other, other_labels)
+
+
 def test_the_distributed_scale_benchmark_runs_on_two_cpu_ranks(tmp_path):
     # benchmarks/bench_distributed_scale.py at toy size under torchrun (gloo): each rank makes its
     # own rows, both indexes are built and searched, rank 0 writes the run and --table the table.
