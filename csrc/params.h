@@ -108,24 +108,27 @@ struct SearchParams {
 SearchParams make_search_params(int64_t k, int64_t list_size, int64_t search_width, int64_t max_iters,
                                 const std::string& metric, int64_t seed, int64_t searches, int64_t hub_entries);
 
-// Parents a search expands per iteration when its search_width is 0 (automatic), by the queries
-// per SM of a CUDA batch: 4 up to kWidestBatchQueriesPerSm, 2 up to kWideBatchQueriesPerSm, 1
-// beyond. A query's iterations are a chain of dependent memory round trips; wider iterations
-// shorten the chain, at the price of distances that a full device pays for and an idle one does
-// not. Measured on the H200 (1M x 384 real embeddings, default build, calls timed from Python; a
-// one-off sweep of widths 1/2/4, lists 24-64, batches of 100, 1 000 and 3 000; benchmarks/
-// README.md has the committed before/after): a batch of 1 000 (7.6 queries per SM) by int8 codes
-// at list 48 ran at 1.56M q/s, recall 0.965, with width 4 against 1.27M, 0.961, with width 1; a
-// batch of 3 000 (23 per SM) at recall 0.95 by int8 codes at 2.50M / 2.86M / 2.91M q/s with
-// widths 1 / 2 / 4 (read off each width's curve), at 0.97 at 1.6M / 1.95M / 1.96M, by full rows at
-// 0.95 at 1.79M / 1.94M / 1.91M. Earlier (1M x 384 clustered rows, profile_small_batches.py
-// --sweep) width 4 was both faster and more accurate than width 1 at batches of 1, 10 and 100.
-// The CPU (sms = 0) always takes 1: one core already runs one query at full speed.
-constexpr int64_t kWidestBatchQueriesPerSm = 8;
-constexpr int64_t kWideBatchQueriesPerSm = 24;
-inline int resolve_search_width(int search_width, int64_t queries, int64_t sms) {
+// Parents a search expands per iteration when its search_width is 0 (automatic): on a GPU 4, or
+// fewer where a round of width x degree candidates would outgrow kGpuWidestWarpRound, the widest
+// round the CUDA search's fastest loop takes (graphs of degree above 64); 1 on the CPU. A query's
+// iterations are a chain of dependent memory round trips; wider iterations shorten the chain for
+// a few more distances (about 250-400 more a query at batch 10 000). On a GPU the shorter chain
+// won at every batch measured, at equal recall. On the H200 (1M x 384 real embeddings): a batch of
+// 1 000 by int8 codes at list 48 ran at 1.56M q/s, recall 0.965, with width 4 against 1.27M,
+// 0.961, with width 1 (a one-off sweep, results/sweep_search_settings_h200.txt); a batch of
+// 10 000 by int4 codes at recall 0.95 / 0.964 / 0.977 / 0.993 at 4.22M / 3.50M / 2.34M / 641K q/s
+// against 3.63M / 2.85M / 1.77M / 382K (results/gpu_text1m_minilm_width4_h200{_before,}.md). On
+// the families at batch 10 000 (1M x 384 zipf and zipf_tiny, 1M x 128 zipf_aniso, 500K x 1024
+// aniso; degree 48) width 4 ran at 0.8-1.4x width 1's q/s at the same list and was never more than
+// 5% slower at equal recall (benchmarks/README.md, "Width 4 at every GPU batch; searches by the
+// list size"). Degrees above 64 were not measured. The CPU runs one query per core at full speed
+// already, so the extra distances would only cost.
+constexpr int64_t kGpuWidestWarpRound = 256;
+inline int resolve_search_width(int search_width, bool on_gpu, int64_t degree) {
   if (search_width > 0) return search_width;
-  return queries <= kWidestBatchQueriesPerSm * sms ? 4 : queries <= kWideBatchQueriesPerSm * sms ? 2 : 1;
+  if (!on_gpu) return 1;
+  const int64_t fits = kGpuWidestWarpRound / (degree > 0 ? degree : 1);
+  return static_cast<int>(fits < 1 ? 1 : fits > 4 ? 4 : fits);
 }
 
 // Entry points of a search with a list of `list` entries that come from hubs: hub_entries, or

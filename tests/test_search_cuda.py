@@ -307,25 +307,42 @@ def test_small_batches_are_split_automatically(points, graph_for):
     assert grnnd.recall(split_ids, truth) >= grnnd.recall(single_ids, truth) - 0.01
 
 
-def test_small_batches_expand_four_parents_by_default(points, graph_for):
-    """search_width=0 (the default) is 4 for a batch of at most 8 queries per SM, 2 up to 24 and 1
-    beyond (params.h, resolve_search_width): the same results as those widths given."""
+def test_gpu_searches_expand_four_parents_by_default(points, graph_for):
+    """search_width=0 (the default) is 4 on the GPU at every batch size (params.h,
+    resolve_search_width): the same results as width 4 given, and more found than with width 1."""
     data, graph = points[0].cuda(), graph_for("l2").cuda()
     queries = points[1].cuda()
     sms = torch.cuda.get_device_properties(queries.device).multi_processor_count
-    for batch, width in ((1, 4), (5, 4), (8 * sms, 4), (8 * sms + 1, 2), (24 * sms, 2), (24 * sms + 1, 1)):
+    for batch in (1, 5, 8 * sms + 1, 24 * sms + 1):
         q = torch.cat([queries] * (batch // NQ + 1))[:batch]
         auto = grnnd.search(data, graph, q, K, list_size=64)
-        given = grnnd.search(data, graph, q, K, list_size=64, search_width=width)
-        assert torch.equal(auto[1], given[1]) and torch.equal(auto[0], given[0]), (batch, width)
+        given = grnnd.search(data, graph, q, K, list_size=64, search_width=4)
+        assert torch.equal(auto[1], given[1]) and torch.equal(auto[0], given[0]), batch
         assert torch.equal(grnnd.search_distance_counts(data, graph, q, K, list_size=64),
-                           grnnd.search_distance_counts(data, graph, q, K, list_size=64, search_width=width))
-    # Wider iterations find more at the same list: a batch of 4 queries at a time over 400.
+                           grnnd.search_distance_counts(data, graph, q, K, list_size=64, search_width=4))
+    truth = exact(points[0], points[1], K, "l2")
+    for batch in (4, NQ):  # split and not split
+        wide = torch.cat([grnnd.search(data, graph, q, K, list_size=32)[1] for q in queries.split(batch)])
+        narrow = torch.cat([grnnd.search(data, graph, q, K, list_size=32, search_width=1)[1]
+                            for q in queries.split(batch)])
+        assert grnnd.recall(wide, truth) >= grnnd.recall(narrow, truth), batch
+
+
+def test_small_batches_split_more_the_longer_the_list(points, graph_for):
+    """A split batch runs 4 searches per query at list_size = k and twice as many for each further
+    k/3 of list, up to 32 (searches_for_batch): a batch of 2 by automatic searches gives what the
+    explicit counts give, and the longer lists find more."""
+    data, graph = points[0].cuda(), graph_for("l2").cuda()
+    queries = points[1][:400].cuda()
     truth = exact(points[0], points[1][:400], K, "l2")
-    wide = torch.cat([grnnd.search(data, graph, q, K, list_size=32)[1] for q in queries[:400].split(4)])
-    narrow = torch.cat([grnnd.search(data, graph, q, K, list_size=32, search_width=1)[1]
-                        for q in queries[:400].split(4)])
-    assert grnnd.recall(wide, truth) >= grnnd.recall(narrow, truth)
+    recalls = []
+    for list_size, searches in ((K, 4), (K + 4, 9), (2 * K, 32), (64, 32)):  # 4 * 2^(3 * 4 / K) = 9.2
+        auto = [grnnd.search(data, graph, q, K, list_size=list_size) for q in queries.split(2)]
+        given = [grnnd.search(data, graph, q, K, list_size=list_size, searches=searches) for q in queries.split(2)]
+        for (ad, ai), (gd, gi) in zip(auto, given):
+            assert torch.equal(ai, gi) and torch.equal(ad, gd), (list_size, searches)
+        recalls.append(grnnd.recall(torch.cat([ids for _, ids in auto]), truth))
+    assert all(b >= a - 0.005 for a, b in zip(recalls, recalls[1:])) and recalls[-1] > recalls[0], recalls
 
 
 def test_non_default_stream_and_repeatability(points, graph_for):

@@ -47,8 +47,8 @@ class QueryBatcher:
     in a batch of at most ``max_batch`` queries with the other calls waiting at the time. A call
     returns its own rows of the batch's answers, ``(dists [Q, k], ids [Q, k])``, or raises what
     the batch's search raised. Pass explicit settings where answers must not depend on the
-    batch: the automatic ``searches`` and ``search_width`` of the CUDA search follow the batch's
-    size (``SearchParams``).
+    batch: the automatic ``searches`` of the CUDA search follow the batch's size
+    (``SearchParams``).
 
     On the GPU the answers come back in order on each caller's current stream: the batch waits for
     the callers' queries on their streams, and each caller's stream waits for the batch.

@@ -134,19 +134,20 @@ class SearchParams(_Settings):
     its own random entry points and keeps a list of about ``2 * list_size / sqrt(searches)``
     (at least ``k``, at most ``list_size``). On CUDA they run side by side, which is how a small
     batch uses the whole GPU; by default (``searches=0``) the CUDA search splits the queries of a
-    batch too small to fill the GPU, and expands more parents per iteration in small batches
-    (``search_width=0``), so a query may get slightly different neighbours in a batch of 1 than
-    in a batch of 10 000 (``searches=1, search_width=1`` rules that out). The CPU splits only
-    when asked.
+    batch too small to fill the GPU, into more searches the longer the list, so a query may get
+    slightly different neighbours in a batch of 1 than in a batch of 10 000 (``searches=1``
+    rules that out; so does ``search_width=1, searches=1`` between the GPU and the CPU). The CPU
+    splits only when asked.
 
     Attributes:
         k: neighbours returned per query, ``k <= list_size``.
         list_size: internal candidate list (CAGRA's itopk, HNSW's ef); 0 means max(k, 64); at
             most 1024. Longer lists raise recall and cost speed.
         search_width: parents expanded per iteration; 0 (the default) lets the backend choose:
-            on a GPU 4 for a batch of at most 8 queries per SM, 2 up to 24 per SM and 1 beyond,
-            as wider iterations shorten each query's chain of dependent steps at the price of
-            distances a full GPU pays for and a partly idle one does not. The CPU always takes 1.
+            4 on a GPU (2 for graphs of degree 65-128, 1 above), where wider iterations shorten
+            each query's chain of dependent steps for a few more distances and won at equal
+            recall at every batch size measured; 1 on the CPU, where each core already runs one
+            query at full speed.
         max_iters: iteration cap; 0 means until no unexpanded parent is left.
         searches: independent searches per query; 0 lets the backend choose; at most 32, and
             ``searches * k <= 4096``.

@@ -23,6 +23,7 @@
 // their results. Unlike CAGRA's multi-CTA mode the blocks share no visited set, so they repeat
 // some distances, but a query's result depends only on its inputs, never on timing.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -46,6 +47,7 @@ constexpr int kMaxSearchWidth = 32;          // = params.h bound; parents live i
 constexpr int kMaxThreads = 512;
 constexpr int kMaxWarpRows = 8;              // warp_iterations holds lists of up to 8 * 32 keys
 constexpr int kMaxWarpCandRows = 8;          // and rounds of up to 8 * 32 candidates (width 4, degree 64)
+static_assert(kMaxWarpCandRows * 32 == kGpuWidestWarpRound, "the automatic width (params.h) sizes rounds for this loop");
 constexpr int kAnyBatchCandRows = 2;         // rounds up to 2 * 32 take it at any batch, wider ones when blocks share SMs
 // Chunks of a row in flight per lane in warp_iterations' distances (team_visit). The general loop
 // loads code rows the same way; full rows one chunk at a time, as with four the general kernel
@@ -53,9 +55,8 @@ constexpr int kAnyBatchCandRows = 2;         // rounds up to 2 * 32 take it at a
 // coded searches gained 7-15% (registers, presumably; H200, 1M x 384 float16, before the block loop
 // sorted only entering candidates; a one-off run, script not kept).
 constexpr int kWarpLoopChunksInFlight = 4;
-// The automatic search width goes by the queries per SM (params.h, resolve_search_width).
 // searches_for_batch: the largest batch it splits (one query per kSplitSmsPerQuery SMs), the
-// blocks per SM a split aims at, and the fewest searches worth a split.
+// blocks per SM a split aims at, the fewest searches its cap allows, and the searches at list k.
 // Below kLatencyBoundBlocksPerSm blocks per SM a search's time is its chain of iterations, not
 // the SM's throughput: such a launch gets more threads a block (pick_threads) and wide rounds
 // take the block loop (run_search).
@@ -63,6 +64,7 @@ constexpr int kLatencyBoundBlocksPerSm = 4;
 constexpr int kSplitSmsPerQuery = 4;
 constexpr int kSplitBlocksPerSm = 8;
 constexpr int kMinSplit = 8;
+constexpr int kSplitSearchesAtK = 4;
 // Visited set: open addressing with linear probing over 2^bits slots. Returns true when `key`
 // was not there and this call inserted it. Every probe is an atomicCAS (no plain read racing
 // another thread's insert), so of concurrent inserts of one key exactly one wins. Terminates
@@ -850,21 +852,27 @@ int pick_threads(int64_t blocks, int sms, int list_cap) {
   return std::max(for_batch, for_list);
 }
 
-// Independent searches per query when the caller leaves it to us: for a batch of at most
-// one query per kSplitSmsPerQuery SMs, about kSplitBlocksPerSm blocks per SM, none for a batch
-// that fills the GPU by itself. Fewer than kMinSplit searches keep lists as long as the whole
-// list (list_per_search), so they would only multiply the work. Measured on the H200 (1M x 384
-// real embeddings, descending-order graph, batches of 100 timed from Python, list 16): 10
-// searches per query (1000 blocks) ran at 315K q/s, recall 0.953; 8 at 311K, 0.946; 12 at 246K,
-// 0.956 (1200 blocks get 64 threads each, pick_threads); 21 (16 blocks per SM) at 221K, 0.970.
-// Earlier, at batch 1000 a split of 8 lost to one search at equal recall. With the small batches'
-// width of 4 (resolve_search_width), a batch of 100 ran faster unsplit at equal recall (268K q/s
-// at 0.991 against 223K at 0.986 for 10 searches, list 64) while batches of 1 and 10 still gained
-// from the split (H200, 1M x 384 clustered rows, profile_small_batches.py --sweep).
-int searches_for_batch(int64_t queries, int sms, int k) {
+// Independent searches per query when the caller leaves it to us: none for a batch of more than
+// one query per kSplitSmsPerQuery SMs; for a smaller one, by the list size: 4 searches at list k,
+// twice as many for each further k/3 of list, up to about kSplitBlocksPerSm blocks per SM (at
+// least kMinSplit) and what the merge allows. The list then sets both knobs of a small batch,
+// each search's list (list_per_search) and how many run, so the list sweeps one curve from the
+// cheapest call to the most accurate one. Measured on the H200 (1M x 384 real embeddings, one
+// run before/after, benchmarks/README.md "Width 4 at every GPU batch; searches by the list size"):
+// a batch of 1 by int8 codes took 0.092 ms at recall 0.954 with list 10 (4 searches), where 32
+// searches at any list took at least 0.113 ms, recall 0.990; at recall 0.99 both rules cost
+// alike (0.115 against 0.113-0.114 ms).
+// Earlier (batches of 100, list 16, 1M x 384 real embeddings) 10 searches a query ran at 315K q/s,
+// recall 0.953, and 21 (16 blocks per SM) at 221K, 0.970: more blocks than the GPU holds at once
+// stop paying. With a width of 4 a batch of 100 ran faster unsplit at equal recall (268K q/s at
+// 0.991 against 223K at 0.986 for 10 searches, list 64; profile_small_batches.py --sweep).
+int searches_for_batch(int64_t queries, int sms, int k, int list_size) {
   if (queries * kSplitSmsPerQuery > sms) return 1;
   const int64_t fill = kSplitBlocksPerSm * static_cast<int64_t>(sms) / std::max<int64_t>(queries, 1);
-  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(fill, kMinSplit), max_searches_for_k(k)));
+  const int64_t most = std::min<int64_t>(std::max<int64_t>(fill, kMinSplit), max_searches_for_k(k));
+  const double doublings = std::min(3.0 * (list_size - k) / std::max(k, 1), 8.0);
+  const int64_t by_list = std::lround(kSplitSearchesAtK * std::exp2(doublings));
+  return static_cast<int>(std::clamp<int64_t>(by_list, std::min<int64_t>(kSplitSearchesAtK, most), most));
 }
 
 // The team of the code distances (both loops): the smallest whose lanes each load at most
@@ -1181,7 +1189,7 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   int device = queries.device().index(), optin = 0, sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int width = resolve_search_width(p.search_width, nq, sms);
+  const int width = resolve_search_width(p.search_width, /*on_gpu=*/true, degree);
   TORCH_CHECK_VALUE(width <= kMaxSearchWidth, "search_width: expected <= ", kMaxSearchWidth);
   const int64_t per_round = static_cast<int64_t>(width) * degree;
   TORCH_CHECK_VALUE(per_round <= (1 << 16), "search_width * graph degree: the CUDA search expands at most 65536 ",
@@ -1205,7 +1213,7 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   a.dim = static_cast<int>(data.size(1));
   a.degree = static_cast<int>(degree);
   a.k = p.k;
-  a.searches = p.searches > 0 ? p.searches : searches_for_batch(nq, sms, p.k);
+  a.searches = p.searches > 0 ? p.searches : searches_for_batch(nq, sms, p.k, p.list_size);
   TORCH_CHECK_VALUE(nq * a.searches <= std::numeric_limits<int32_t>::max(), "queries * searches: expected fewer ",
                     "than 2^31 searches per call, got ", nq, " * ", a.searches);
   a.list_size = list_per_search(p.list_size, p.k, a.searches);
