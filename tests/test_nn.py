@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import torch_grnnd as grnnd
-from conftest import clustered, exact_neighbours, one_thread
+from conftest import DEVICES, clustered, exact_neighbours, one_thread
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -42,8 +42,8 @@ def test_batch_equals_separate_graphs_and_skips_missing_examples():
     "batch, k, error, match",
     [
         (torch.tensor([0] * 30 + [1] * 5 + [2] * 25), 0, ValueError, r"k: expected >= 1, got 0"),
-        (torch.tensor([1] * 30 + [0] * 30), 3, ValueError, "batch: expected example indices sorted"),
-        (torch.tensor([0] * 30 + [1] * 20 + [0] * 10), 3, ValueError, "batch: expected example indices sorted"),
+        (torch.tensor([1] * 30 + [0] * 30), 3, ValueError, "batch: expected examples in ascending order"),
+        (torch.tensor([0] * 30 + [1] * 20 + [0] * 10), 3, ValueError, "batch: expected examples in ascending order"),
         (torch.zeros(59, dtype=torch.long), 3, ValueError, r"batch: expected shape \[60\]"),
         (torch.zeros(60), 3, TypeError, "batch: expected an integer tensor"),
     ],
@@ -202,14 +202,14 @@ def test_retriever_adds_removes_and_keeps_it_in_its_state():
 
 @pytest.mark.parametrize("metric", ["l2", "cosine"])
 def test_a_batch_of_small_examples_is_one_segment_search(metric, monkeypatch):
-    # Examples of at most graph.EXACT_EXAMPLE_ROWS rows: one knn_segments call for the whole batch,
+    # Examples of at most segments.EXACT_EXAMPLE_ROWS rows: one knn_segments call for the whole batch,
     # exact neighbours even when an approximate graph is asked for, k per point with duplicates.
-    from torch_grnnd import graph
+    from torch_grnnd import segments
     x, batch = examples([300, 5, 700], dim=6)
     x[10] = x[11]  # a duplicate: each must still get k others, never itself
     calls = []
-    nearest = graph._nearest
-    monkeypatch.setattr(graph, "_nearest", lambda *args: calls.append(1) or nearest(*args))
+    scan = segments._scan
+    monkeypatch.setattr(segments, "_scan", lambda *args: calls.append(1) or scan(*args))
     edge_index, dists = grnnd.knn_graph(x, 8, batch, metric=metric, return_distances=True)
     assert len(calls) == 1
     neighbour, centre = edge_index
@@ -223,10 +223,109 @@ def test_a_batch_of_small_examples_is_one_segment_search(metric, monkeypatch):
         torch.testing.assert_close(dists[mine], want, rtol=1e-4, atol=1e-5)
         start += size
     # Larger examples are built one after another, as before.
-    monkeypatch.setattr(graph, "EXACT_EXAMPLE_ROWS", 100)
+    monkeypatch.setattr(segments, "EXACT_EXAMPLE_ROWS", 100)
     calls.clear()
     grnnd.knn_graph(x, 8, batch, metric=metric)
     assert not calls
+
+
+def gapped_batch(device):
+    """(x, batch) of examples 0 (40 points), 1 (3: fewer than k + 1), 3 (60; no example 2), 8-d."""
+    g = torch.Generator().manual_seed(7)
+    batch = torch.tensor([0] * 40 + [1] * 3 + [3] * 60)
+    return torch.randn(103, 8, generator=g).to(device), batch.to(device)
+
+
+def brute_force_others(x, batch, k, metric):
+    """Each point's k nearest other points of its example by float64 brute force, ties to the
+    lower id: one list per point."""
+    x = x.double().cpu()
+    if metric == "cosine":
+        x = torch.nn.functional.normalize(x, dim=1)
+    lists = []
+    for i in range(x.shape[0]):
+        mine = ((batch.cpu() == batch[i].item()).nonzero().flatten()).tolist()
+        mine.remove(i)
+        d = -(x[mine] @ x[i]) if metric == "ip" else (x[mine] - x[i]).square().sum(1)
+        lists.append(sorted(mine, key=lambda j: (d[mine.index(j)].item(), j))[:k])
+    return lists
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+@pytest.mark.parametrize("loop", [False, True])
+@pytest.mark.parametrize("flow", ["source_to_target", "target_to_source"])
+def test_batch_graph_is_the_pyg_graph_and_the_exact_one(device, metric, loop, flow):
+    # grnnd.knn_graph searches a batch as torch_grnnd.pyg.knn_graph does: the same edges in the
+    # same order and the same distances (no duplicate points here, where their rules differ),
+    # exact, and so also where an approximate graph is asked of examples this small.
+    from torch_grnnd import pyg
+    x, batch = gapped_batch(device)
+    k = 5
+    edge_index, dists = grnnd.knn_graph(x, k, batch, metric=metric, exact=True, loop=loop, flow=flow,
+                                        return_distances=True)
+    want, want_dists = pyg.knn_graph(x, k, batch, loop, flow, cosine=metric == "cosine", return_distances=True)
+    assert edge_index.device == x.device and torch.equal(edge_index, want)
+    torch.testing.assert_close(dists, want_dists)
+    assert torch.equal(grnnd.knn_graph(x, k, batch, metric=metric, loop=loop, flow=flow), want)
+    neighbour, point = edge_index if flow == "source_to_target" else edge_index.flip(0)
+    truth = brute_force_others(x, batch, k - 1 if loop else k, metric)
+    found = [[] for _ in range(x.shape[0])]
+    for n, p in zip(neighbour.tolist(), point.tolist()):
+        found[p].append(n)
+    assert found == [([p] if loop else []) + others for p, others in enumerate(truth)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("exact", [True, False])
+def test_ip_batch_graph_is_each_example_on_its_own(device, exact):
+    # The segment kernel ranks by l2: under ip each example is searched on its own, exactly where
+    # the examples are this small, with the edges and distances of each example's exact graph.
+    x, batch = gapped_batch(device)
+    edge_index, dists = grnnd.knn_graph(x, 4, batch, metric="ip", exact=exact, return_distances=True)
+    parts = [(grnnd.knn_graph(x[a:b], min(4, b - a - 1), metric="ip", exact=True, return_distances=True), a)
+             for a, b in ((0, 40), (40, 43), (43, 103))]
+    assert torch.equal(edge_index, torch.cat([edges + a for (edges, _), a in parts], dim=1))
+    torch.testing.assert_close(dists, torch.cat([d for (_, d), _ in parts]), rtol=1e-5, atol=1e-5)
+    assert brute_force_others(x, batch, 4, "ip") == [edge_index[0, edge_index[1] == p].tolist() for p in range(103)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_graph_of_no_points_has_no_edges(device):
+    x, batch = torch.empty(0, 3, device=device), torch.empty(0, dtype=torch.long, device=device)
+    for exact in (True, False):
+        edge_index, dists = grnnd.knn_graph(x, 2, batch, exact=exact, return_distances=True)
+        assert edge_index.shape == (2, 0) and dists.shape == (0,) and edge_index.device == x.device
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+def test_an_approximate_batch_builds_its_large_examples_only(metric, monkeypatch):
+    # Past segments.EXACT_EXAMPLE_ROWS an example gets its own GRNND graph; the small ones of the
+    # same batch (down to a lone point) are still searched exactly.
+    from torch_grnnd import segments
+    monkeypatch.setattr(segments, "EXACT_EXAMPLE_ROWS", 50)
+    builds = []
+    build = segments.ops.build
+    monkeypatch.setattr(segments.ops, "build", lambda rows, **kw: builds.append(len(rows)) or build(rows, **kw))
+    sizes = [1, 2, 5, 300]
+    x, batch = examples(sizes, dim=8)
+    edge_index = grnnd.knn_graph(x, 4, batch, metric=metric)
+    exact = grnnd.knn_graph(x, 4, batch, metric=metric, exact=True)
+    assert builds == [300] and edge_index.shape == exact.shape == (2, 0 + 2 + 20 + 1200)
+    assert torch.equal(edge_index[:, :22], exact[:, :22])  # the small examples' edges come first
+    assert grnnd.recall(edge_index[0, 22:].view(-1, 4), exact[0, 22:].view(-1, 4)) >= 0.9
+
+
+def test_the_pyg_transform_is_the_module():
+    from torch_grnnd import pyg
+    transform = pyg.KNNGraph(k=3, cosine=True, approximate=True)
+    assert isinstance(transform, grnnd.nn.KNNGraph)
+    assert (transform.metric, transform.exact, transform.cosine, transform.approximate) == ("cosine", False, True, True)
+    transform.cosine, transform.approximate = False, False
+    assert (transform.metric, transform.exact) == ("l2", True) and repr(transform) == "KNNGraph(k=3)"
+    for make in (grnnd.nn.KNNGraph, pyg.KNNGraph):
+        with pytest.raises(ValueError, match="flow: expected"):
+            make(3, flow="up")
 
 
 def test_retriever_buffers_replaced_win_over_the_index_it_held():

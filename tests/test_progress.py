@@ -51,7 +51,7 @@ def test_index_and_knn_graph_report_but_do_not_keep_progress(monkeypatch):
     grnnd.knn_graph(DATA, 5, batch, progress=lambda d, t: calls.append(d))
     assert calls == []
     # Larger ones are built one after another, each reporting its rounds.
-    monkeypatch.setattr(grnnd.graph, "EXACT_EXAMPLE_ROWS", 100)
+    monkeypatch.setattr(grnnd.segments, "EXACT_EXAMPLE_ROWS", 100)
     grnnd.knn_graph(DATA, 5, batch, progress=lambda d, t: calls.append(d))
     assert calls[0] == 1 and calls.count(1) == 2  # one build per example
 

@@ -121,7 +121,7 @@ def test_argument_errors():
         knn(x, x, 0)
     # x's examples must come sorted, as torch_cluster requires (its rows are found by binary search).
     unsorted = torch.tensor([0, 1] * 5)
-    with pytest.raises(ValueError, match="batch_x: expected examples in ascending order .* 4 descents"):
+    with pytest.raises(ValueError, match="batch: expected examples in ascending order .* 4 descents"):
         knn_graph(x, 2, unsorted)
     with pytest.raises(ValueError, match="batch_x: expected examples in ascending order"):
         knn(x, x, 2, unsorted, torch.zeros(10, dtype=torch.long))
@@ -138,13 +138,49 @@ def test_queries_of_any_order_find_their_own_examples():
         assert found[query == q].tolist() == want.tolist()
 
 
-def test_approximate_finds_the_exact_neighbours_on_easy_data():
+def test_approximate_finds_the_exact_neighbours_on_easy_data(monkeypatch):
+    from torch_grnnd import segments
     g = torch.Generator().manual_seed(8)
     batch = torch.repeat_interleave(torch.arange(2), torch.tensor([600, 400]))
     x = torch.randn(1000, 8, generator=g)
-    exact = edge_set(knn_graph(x, 5, batch))
+    exact = knn_graph(x, 5, batch)
+    # Examples this small are searched exactly: an exact scan costs less than their builds.
+    assert torch.equal(knn_graph(x, 5, batch, approximate=True), exact)
+    monkeypatch.setattr(segments, "EXACT_EXAMPLE_ROWS", 500)  # the example of 600 gets a GRNND graph
     approximate = edge_set(knn_graph(x, 5, batch, approximate=True))
-    assert len(exact & approximate) >= 0.95 * len(exact)
+    assert len(edge_set(exact) & approximate) >= 0.95 * len(edge_set(exact))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_batched_entry_refuses_an_unsorted_batch(device):
+    # Each example's rows are found by binary search in the batch vector: unsorted, the edges
+    # would be wrong. Read with the number of examples (one synchronisation), and without one on
+    # the CPU when batch_size is given; a GPU trusts a batch vector given with batch_size.
+    import types
+
+    import torch_grnnd as grnnd
+    from torch_grnnd.pyg import KNNGraph
+    x = torch.randn(10, 3, device=device)
+    unsorted, queries = torch.tensor([0, 1] * 5, device=device), torch.zeros(10, dtype=torch.long, device=device)
+    calls = {
+        "pyg.knn": lambda **kw: knn(x, x, 2, unsorted, queries, **kw),
+        "pyg.knn_graph": lambda **kw: knn_graph(x, 2, unsorted, **kw),
+        "pyg.knn_graph approximate": lambda **kw: knn_graph(x, 2, unsorted, approximate=True, **kw),
+        "pyg.radius": lambda **kw: radius(x, x, 1.0, unsorted, queries, **kw),
+        "pyg.radius_graph": lambda **kw: radius_graph(x, 1.0, unsorted, **kw),
+    }
+    for call in calls.values():
+        with pytest.raises(ValueError, match="expected examples in ascending order .* 4 descents"):
+            call()
+        if device == "cpu":
+            with pytest.raises(ValueError, match="expected examples in ascending order"):
+                call(batch_size=2)
+    data = types.SimpleNamespace(pos=x, batch=unsorted, edge_attr=None)
+    for call in (lambda: grnnd.knn_graph(x, 2, unsorted), lambda: grnnd.knn_graph(x, 2, unsorted, exact=True),
+                 lambda: grnnd.knn_graph(x, 2, unsorted, metric="ip"), lambda: grnnd.nn.KNNGraph(2)(x, unsorted),
+                 lambda: KNNGraph(2)(data)):
+        with pytest.raises(ValueError, match="batch: expected examples in ascending order .* 4 descents"):
+            call()
 
 
 @pytest.mark.cuda

@@ -1,20 +1,13 @@
 """k-NN graphs of point sets in the PyTorch Geometric convention."""
-import itertools
-from typing import List, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from .ops import Metric
 from .progress import Progress, run_reporting
-from .pyg import _nearest, _search_space
-from .results import without_own
-
-# A batch whose examples have at most this many rows is searched exactly by the segment kernel
-# (torch.ops.grnnd.knn_segments, as torch_grnnd.pyg does: one call for the whole batch) even where
-# an approximate graph is asked for: an exact scan of such an example costs less than a GRNND
-# build and search of it, which ran one example after another.
-EXACT_EXAMPLE_ROWS = 4096
+from .results import own_column
+from .segments import as_points, distances, examples_of, nearest, search_space
 
 
 def knn_graph(
@@ -44,12 +37,14 @@ def knn_graph(
     Args:
         x: [N, D] points.
         k: edges per point.
-        batch: optional int64 [N], the example of each point, sorted (PyG's convention). Under
-            l2 and cosine, exact graphs, and any graph whose examples have at most
-            ``EXACT_EXAMPLE_ROWS`` (4 096) rows, come from one call of the segment kernel for the
-            whole batch (exact neighbours, as :func:`torch_grnnd.pyg.knn_graph`); otherwise the
-            examples are built one after the other. Reading their sizes costs one host
-            synchronisation (and ends a ``torch.compile`` graph).
+        batch: optional int64 [N], the example of each point, sorted (PyG's convention; an
+            unsorted one raises a ValueError). The whole batch is searched as
+            :func:`torch_grnnd.pyg.knn_graph` searches it (:mod:`torch_grnnd.segments`): under l2
+            and cosine by one call of the segment kernel, exactly, unless an approximate graph
+            is asked of examples larger than ``segments.EXACT_EXAMPLE_ROWS`` (4 096 rows), which
+            are then built one after the other; under ip each example on its own, by the same
+            rule. Reading the number of examples costs one host synchronisation (and ends a
+            ``torch.compile`` graph).
         metric: ``"l2"``, ``"ip"`` or ``"cosine"``.
         exact: exact instead of approximate neighbours.
         loop: the self loop is one of each point's k edges (in 0.1.0 it came on top of k).
@@ -70,87 +65,76 @@ def knn_graph(
         >>> bool((batch[edge_index[0]] == batch[edge_index[1]]).all()), dists.shape
         (True, torch.Size([3000]))
     """
-    if flow not in ("source_to_target", "target_to_source"):
-        raise ValueError(f'flow: expected "source_to_target" or "target_to_source", got {flow!r}')
+    check_flow(flow)
     if k < 1:
         raise ValueError(f"k: expected >= 1, got {k}")
     others = k - 1 if loop else k  # neighbours per point besides the point itself
 
-    def example_edges(points: Tensor, start: int) -> Tuple[Tensor, Tensor, Tensor]:
-        """(neighbour, centre, distance) of the edges of one example, each point's nearest first."""
-        n = points.shape[0]
-        take = min(others, n - 1)
-        if take > 0:
-            dists, ids = torch.ops.grnnd.knn_graph.default(points, take, metric=metric, exact=exact,
-                                                           list_size=list_size, seed=seed)
-        else:
-            dists = points.new_zeros(n, 0, dtype=torch.float32)
-            ids = torch.zeros(n, 0, dtype=torch.long, device=points.device)
-        centre = torch.arange(n, device=ids.device).unsqueeze(1)
-        if loop:
-            ids = torch.cat([centre, ids], dim=1)
-            dists = torch.cat([_self_distance(points, metric).unsqueeze(1), dists], dim=1)
-        return ids.reshape(-1) + start, centre.expand_as(ids).reshape(-1) + start, dists.reshape(-1)
+    def all_edges() -> Tuple[Tensor, Optional[Tensor]]:
+        if batch is not None:
+            return _batch_edges(x, batch, others, metric, exact, loop, flow, list_size, seed, return_distances)
+        neighbour, centre, dists = _graph_edges(x, others, metric, exact, loop, list_size, seed)
+        return torch.stack([neighbour, centre] if flow == "source_to_target" else [centre, neighbour]), dists
 
-    def all_edges() -> Tuple[Tensor, Tensor, Tensor]:
-        if batch is None:
-            return example_edges(x, 0)
-        rows = _example_rows(batch, x)
-        if metric in ("l2", "cosine") and (exact or max(size for _, size in rows) <= EXACT_EXAMPLE_ROWS):
-            return _segment_edges(x, batch, len(rows), others, metric, loop, return_distances)
-        parts = [example_edges(x.narrow(0, start, size), start) for start, size in rows]
-        return tuple(torch.cat(column) for column in zip(*parts))
-
-    neighbour, centre, dists = run_reporting(progress, "knn_graph", all_edges)
-    edge_index = torch.stack([neighbour, centre] if flow == "source_to_target" else [centre, neighbour])
+    edge_index, dists = run_reporting(progress, "knn_graph", all_edges)
     return (edge_index, dists) if return_distances else edge_index
 
 
-def _segment_edges(x: Tensor, batch: Tensor, examples: int, others: int, metric: Metric, loop: bool,
-                   distances: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """(neighbour, centre, distance) of every point's ``others`` nearest other points of its
-    example (and itself first with ``loop``), from one knn_segments call for the whole batch;
-    with ``distances`` the distances recomputed from ``x`` (so that they carry gradients), else
-    None."""
+def _graph_edges(x: Tensor, others: int, metric: Metric, exact: bool, loop: bool, list_size: int,
+                 seed: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """(neighbour, centre, distance) of the edges of one example, each point's nearest first, by
+    the knn_graph op (which torch.compile traces whole)."""
     n = x.shape[0]
-    centre = torch.arange(n, device=x.device)
-    if others > 0:
-        points = _search_space(x, metric == "cosine")
-        # Relabelled 0..examples-1 in order, so that empty example ids cost nothing.
-        labels = torch.cat([batch.new_zeros(1), (batch[1:] != batch[:-1]).long()]).cumsum(0)
-        # -1 where the example has no more rows.
-        _, ids = without_own(*_nearest(points, points, (labels, labels, examples), others + 1), centre[:, None])
+    take = min(others, n - 1)
+    if take > 0:
+        dists, ids = torch.ops.grnnd.knn_graph.default(x, take, metric=metric, exact=exact, list_size=list_size,
+                                                       seed=seed)
     else:
-        ids = centre.new_zeros(n, 0)
+        dists = x.new_zeros(n, 0, dtype=torch.float32)
+        ids = torch.zeros(n, 0, dtype=torch.long, device=x.device)
+    centre = torch.arange(n, device=ids.device).unsqueeze(1)
     if loop:
-        ids = torch.cat([centre[:, None], ids], dim=1)
-    centres = centre[:, None].expand_as(ids)
-    found = ids >= 0
-    neighbour, centre = ids[found], centres[found]
-    if not distances:
-        return neighbour, centre, None
-    a, b = x[neighbour].float(), x[centre].float()
-    if metric == "cosine":
-        dists = 1 - torch.nn.functional.cosine_similarity(a, b, dim=-1)
+        ids = torch.cat([centre, ids], dim=1)
+        dists = torch.cat([_self_distance(x, metric).unsqueeze(1), dists], dim=1)
+    return ids.reshape(-1), centre.expand_as(ids).reshape(-1), dists.reshape(-1)
+
+
+def _batch_edges(x: Tensor, batch: Tensor, others: int, metric: Metric, exact: bool, loop: bool, flow: str,
+                 list_size: int, seed: int, return_distances: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """The edge index of every point's ``others`` nearest other points of its example (and itself
+    first with ``loop``), the whole batch searched at once (:func:`torch_grnnd.segments.nearest`,
+    as :mod:`torch_grnnd.pyg` searches it) and its edges made by one segment_edges call; with
+    ``return_distances`` their distances recomputed from ``x`` (so that they carry gradients),
+    else None."""
+    x = as_points(x, "x")
+    n = x.shape[0]
+    segments = examples_of(x, x, batch, batch, None, names=("batch", "batch"))
+    centre = torch.arange(n, device=x.device)[:, None]
+    if others > 0 and segments is not None:
+        points = search_space(x, metric)
+        dists, ids = nearest(points, points, segments, others + 1, metric=metric, approximate=not exact,
+                             list_size=list_size, seed=seed)
+        # Each point's own id (or, where duplicates kept it out, its farthest) becomes -1, which
+        # segment_edges drops as padding: k others whatever the duplicates (torch_cluster's
+        # rule, pyg's, keeps k + 1 then).
+        ids = ids.scatter(1, own_column(ids, centre), -1)
     else:
-        dists = (a - b).pow(2).sum(-1)
-    return neighbour, centre, dists
+        dists, ids = x.new_zeros(n, 0, dtype=torch.float32), centre.new_zeros(n, 0)
+    if loop:
+        ids = torch.cat([centre, ids], dim=1)
+        dists = torch.cat([dists.new_zeros(n, 1), dists], dim=1)  # segment_edges reads them only to filter
+    # Entries with id -1 (examples with fewer rows) dropped; each point's edges together, nearest first.
+    source_to_target = flow == "source_to_target"
+    edge_index = torch.ops.grnnd.segment_edges.default(dists, ids, neighbour_first=source_to_target)
+    if not return_distances:
+        return edge_index, None
+    neighbour, point = (edge_index[0], edge_index[1]) if source_to_target else (edge_index[1], edge_index[0])
+    return edge_index, distances(x[neighbour], x[point], metric)
 
 
-def _example_rows(batch: Tensor, x: Tensor) -> List[Tuple[int, int]]:
-    """``(first row, rows)`` of each example of a sorted ``batch`` vector."""
-    if batch.dim() != 1 or batch.shape[0] != x.shape[0]:
-        raise ValueError(f"batch: expected shape [{x.shape[0]}] (one example index per row of x), "
-                         f"got {tuple(batch.shape)}")
-    if batch.dtype.is_floating_point or batch.dtype.is_complex or batch.dtype == torch.bool:
-        raise TypeError(f"batch: expected an integer tensor (int64), got {batch.dtype}")
-    if batch.device != x.device:
-        raise ValueError(f"batch is on {batch.device} but x is on {x.device}; move them to the same device")
-    labels, sizes = torch.unique_consecutive(batch, return_counts=True)
-    labels, sizes = torch.stack([labels.long(), sizes]).tolist()  # the one host synchronisation
-    if any(later <= earlier for earlier, later in zip(labels, labels[1:])):
-        raise ValueError("batch: expected example indices sorted in ascending order (PyG convention)")
-    return list(zip(itertools.accumulate(sizes, initial=0), sizes))
+def check_flow(flow: str) -> None:
+    if flow not in ("source_to_target", "target_to_source"):
+        raise ValueError(f'flow: expected "source_to_target" or "target_to_source", got {flow!r}')
 
 
 def _self_distance(x: Tensor, metric: Metric) -> Tensor:

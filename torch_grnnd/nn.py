@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .graph import knn_graph
+from .graph import check_flow, knn_graph
 from .index import Index, _locks, _own_storage, check_ids, check_next_id, check_removed, check_state
 from .ops import Metric
 from .params import BuildParams, SearchParams
@@ -24,7 +24,8 @@ class KNNGraph(nn.Module):
     convention (``flow``), and each edge's distance, differentiable with respect to ``x``.
     With ``batch`` (sorted int64 [N]) every example gets its own graph. ``loop=True`` makes the
     self loop one of each point's k edges; an example of k points or fewer gives what it has
-    (torch_cluster's semantics).
+    (torch_cluster's semantics). :class:`torch_grnnd.pyg.KNNGraph` is this module as PyG's
+    transform: PyG's arguments, a data object in and out, torch_cluster's edges.
 
     Example:
         >>> import torch, torch_grnnd as grnnd
@@ -41,6 +42,7 @@ class KNNGraph(nn.Module):
     def __init__(self, k: int, *, metric: Metric = "l2", exact: bool = False, loop: bool = False,
                  flow: str = "source_to_target", list_size: int = 0, seed: int = 0):
         super().__init__()
+        check_flow(flow)
         self.k, self.metric, self.exact, self.loop, self.flow = k, metric, exact, loop, flow
         self.list_size, self.seed = list_size, seed
 

@@ -26,11 +26,18 @@ def best_k(dists: Tensor, ids: Tensor, k: int, ids_ordered: bool = False) -> Tup
 def without_own(dists: Tensor, ids: Tensor, own: Tensor) -> Tuple[Tensor, Tensor]:
     """A k-NN graph's rows from each row's k + 1 nearest ([q, k + 1] each, nearest first): each
     row's own id (``own`` [q, 1]) dropped, or the last entry where duplicates of the row kept its
-    own id out; the others keep their order."""
-    drop = ids == own
-    drop[:, -1] |= ~drop.any(1)
-    keep = torch.argsort(drop.to(torch.int8), dim=1, stable=True)[:, :-1]
+    own id out (:func:`own_column`); the others keep their order."""
+    keep = torch.arange(ids.shape[1] - 1, device=ids.device)
+    keep = keep + (keep >= own_column(ids, own))
     return dists.gather(1, keep), ids.gather(1, keep)
+
+
+def own_column(ids: Tensor, own: Tensor) -> Tensor:
+    """[q, 1]: the column :func:`without_own` drops from each row of ``ids``, its own id's
+    (``own`` [q, 1]), else the last. Found without a sort, which took a k-NN graph of a batch of
+    small clouds longer than making its edges."""
+    mine = ids == own
+    return torch.where(mine.any(1, keepdim=True), mine.to(torch.uint8).argmax(1, keepdim=True), ids.shape[1] - 1)
 
 
 def padded(dists: Tensor, ids: Tensor, k: int) -> Tuple[Tensor, Tensor]:
