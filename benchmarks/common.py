@@ -37,10 +37,17 @@ def timed(fn, device: torch.device):
     return out, time.perf_counter() - start
 
 
-def median_ms(fn, repeat: int = 10) -> float:
+def median_ms(fn, repeat: int = 10, device: str = "cuda") -> float:
+    """Median milliseconds of ``repeat`` calls after a warm-up: CUDA events, or the wall clock
+    for ``device="cpu"``."""
     fn()
     times = []
     for _ in range(repeat):
+        if device == "cpu":
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1000)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
