@@ -5,11 +5,13 @@ system g++ when CXX names one that does not).
 
 Install after torch, without build isolation (an isolated build would pull a second torch):
     pip install --no-build-isolation -e .
-Environment: GRNND_FORCE_CPU=1 skips the CUDA kernels.
+Environment: GRNND_FORCE_CPU=1 (any non-empty value) skips the CUDA kernels; TORCH_CUDA_ARCH_LIST
+picks the archs (torch's default: those of the GPUs visible at build time).
 
-It says what it builds and why (on stderr; `pip install -v` shows it) and records it in
-torch_grnnd/_build.py, which torch_grnnd.info() reports and import torch_grnnd reads to warn when
-a machine with a GPU got the CPU kernels only.
+It says in one line what it builds and why (on stderr; `pip install -v` shows it) and records it
+in torch_grnnd/_build.py, which torch_grnnd.info() reports and import torch_grnnd reads to warn
+when a machine with a GPU got the CPU kernels only. Importing this file runs no build: the
+decisions are functions the tests call.
 """
 import glob
 import os
@@ -22,26 +24,63 @@ import sysconfig
 import tempfile
 
 import torch
+import torch.utils.cpp_extension
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 here = os.path.dirname(os.path.abspath(__file__))
 
 
-def why_no_cuda():
-    """None when the CUDA kernels can be built here, else the reason they are not."""
-    if os.environ.get("GRNND_FORCE_CPU"):
+def why_no_cuda(force_cpu: str | None, torch_version: str, torch_cuda: str | None, cuda_home: str | None) -> str | None:
+    """None when the CUDA kernels can be built, else why not: the first of GRNND_FORCE_CPU set
+    (``force_cpu``, any non-empty value), a torch without CUDA (``torch_cuda``, torch.version.cuda,
+    is None), no CUDA toolkit (``cuda_home``, what torch found from CUDA_HOME or CUDA_PATH, nvcc on
+    PATH or /usr/local/cuda, is None)."""
+    if force_cpu:
         return "GRNND_FORCE_CPU is set"
-    if torch.version.cuda is None:
-        return f"torch {torch.__version__} is a build without CUDA"
-    if CUDA_HOME is None:
-        return (f"no CUDA toolkit was found (nvcc on PATH or CUDA_HOME) for torch's CUDA {torch.version.cuda}; "
-                "install the toolkit of that CUDA release, or set CUDA_HOME to it")
+    if torch_cuda is None:
+        return f"torch {torch_version} is a build without CUDA"
+    if cuda_home is None:
+        return (f"no CUDA toolkit was found (no CUDA_HOME, no nvcc on PATH, no /usr/local/cuda) for torch's CUDA "
+                f"{torch_cuda}; install the toolkit of that CUDA release, or set CUDA_HOME to it")
     return None
 
 
-no_cuda_reason = why_no_cuda()
-with_cuda = no_cuda_reason is None
+def archs_of_flags(gencode_flags: list[str]) -> str:
+    """The archs nvcc's -gencode flags compile for, spelt as TORCH_CUDA_ARCH_LIST spells them
+    ("8.0;9.0+PTX"): an arch with PTX (code=compute_XX) runs on later GPUs too, one without only on
+    its own generation."""
+    machine_code, ptx = set(), set()
+    for flag in gencode_flags:
+        match = re.fullmatch(r"-gencode=arch=compute_(\d+)(a?),code=(sm|compute)_\1\2", flag)
+        if match is not None:
+            number, suffix, kind = match.groups()
+            (machine_code if kind == "sm" else ptx).add(f"{number[:-1]}.{number[-1]}{suffix}")
+    archs = sorted(machine_code | ptx, key=lambda arch: (int(arch.split(".")[0]), arch))
+    return ";".join(arch + ("+PTX" if arch in ptx else "") for arch in archs)
+
+
+def archs_to_build() -> str:
+    """The archs this build's nvcc compiles for, as torch's cpp_extension picks them from
+    TORCH_CUDA_ARCH_LIST or else the visible GPUs. That choice is torch's private function; where
+    this torch lacks it or it cannot choose (no GPU visible and no list: the build then stops with
+    torch's own message), TORCH_CUDA_ARCH_LIST as given."""
+    pick = getattr(torch.utils.cpp_extension, "_get_cuda_arch_flags", None)
+    given = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if pick is None:
+        return given
+    try:
+        return archs_of_flags(pick()) or given
+    except (IndexError, ValueError):
+        return given
+
+
+def build_line(no_cuda_reason: str | None, cuda: str | None, cuda_home: str | None, archs: str | None) -> str:
+    """The one line setup.py prints: which kernels it builds and, without the CUDA ones, why."""
+    if no_cuda_reason is not None:
+        return f"torch_grnnd: building the CPU kernels only, no CUDA kernels: {no_cuda_reason}"
+    return (f"torch_grnnd: building the CPU and CUDA kernels (CUDA {cuda} at {cuda_home}, archs "
+            f"{archs or 'of the GPUs visible now'})")
 
 
 def torch_cxx_standard() -> str:
@@ -98,60 +137,60 @@ def choose_compilers() -> None:
                        "compiler that links the shared libstdc++ (the system g++ does).")
 
 
-choose_compilers()
-cxx_std = "-std=" + torch_cxx_standard()
-sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-# No -march flags: the graph loops wait on memory, not arithmetic (prefetching helped, AVX2/
-# AVX-512 builds of the distance loops did not measurably), and a baseline build runs anywhere.
-extra_compile_args = {"cxx": ["-O3", cxx_std]}
-extra_link_args = []
-if torch.backends.openmp.is_available():
-    # at::parallel_for is a header template that expands to `#pragma omp parallel` in our own
-    # translation units: without -fopenmp the CPU kernels silently run on one thread. Linking
-    # -fopenmp resolves to the libgomp torch already loaded.
-    extra_compile_args["cxx"].append("-fopenmp")
-    extra_link_args.append("-fopenmp")
-# The torch release this build is for (major * 100 + minor): torch_grnnd/__init__.py refuses to
-# load the extension under another one instead of crashing later.
-major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-define_macros = [("GRNND_TORCH_RELEASE", str(major * 100 + minor))]
-if with_cuda:
-    sources += sorted(glob.glob("csrc/cuda/*.cu"))
-    define_macros.append(("GRNND_WITH_CUDA", None))
-    extra_compile_args["nvcc"] = ["-O3", cxx_std, "--expt-relaxed-constexpr", "-lineinfo"]
-Extension = CUDAExtension if with_cuda else CppExtension
-
-
-def record_build() -> None:
-    """Say what is built, and write it to torch_grnnd/_build.py for torch_grnnd.info()."""
-    cxx = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++"
-    facts = {"torch": torch.__version__, "cuda_kernels": with_cuda, "no_cuda_reason": no_cuda_reason,
-             "cuda": torch.version.cuda if with_cuda else None,
-             # Empty: torch's cpp_extension default, the archs of the GPUs visible at build time.
-             "cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST", "") if with_cuda else None,
-             "cuda_home": CUDA_HOME if with_cuda else None, "cxx": cxx, "cxx_standard": cxx_std[len("-std="):]}
-    if with_cuda:
-        print(f"setup.py: building the CPU and CUDA kernels (CUDA {torch.version.cuda} at {CUDA_HOME}, archs "
-              f"{facts['cuda_arch_list'] or 'of the visible GPUs'})", file=sys.stderr)
-    else:
-        print(f"setup.py: building the CPU kernels only: {no_cuda_reason}", file=sys.stderr)
+def record_build(facts: dict) -> None:
+    """Write the build's facts to torch_grnnd/_build.py, where torch_grnnd.info() reads them. Before
+    setup() runs, so that a wheel packs the record with the extension."""
     with open(os.path.join(here, "torch_grnnd", "_build.py"), "w") as f:
         f.write('"""How this copy of torch_grnnd._C was built (written by setup.py; see torch_grnnd.info())."""\n')
         f.write(f"BUILD = {facts!r}\n")
 
 
-record_build()
+def extension(with_cuda: bool, cxx_std: str):
+    """torch_grnnd._C: the CPU kernels, and the CUDA kernels when ``with_cuda``."""
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    # No -march flags: the graph loops wait on memory, not arithmetic (prefetching helped, AVX2/
+    # AVX-512 builds of the distance loops did not measurably), and a baseline build runs anywhere.
+    extra_compile_args = {"cxx": ["-O3", cxx_std]}
+    extra_link_args = []
+    if torch.backends.openmp.is_available():
+        # at::parallel_for is a header template that expands to `#pragma omp parallel` in our own
+        # translation units: without -fopenmp the CPU kernels silently run on one thread. Linking
+        # -fopenmp resolves to the libgomp torch already loaded.
+        extra_compile_args["cxx"].append("-fopenmp")
+        extra_link_args.append("-fopenmp")
+    # The torch release this build is for (major * 100 + minor): torch_grnnd/__init__.py refuses to
+    # load the extension under another one instead of crashing later.
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    define_macros = [("GRNND_TORCH_RELEASE", str(major * 100 + minor))]
+    if with_cuda:
+        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        define_macros.append(("GRNND_WITH_CUDA", None))
+        extra_compile_args["nvcc"] = ["-O3", cxx_std, "--expt-relaxed-constexpr", "-lineinfo"]
+    return (CUDAExtension if with_cuda else CppExtension)(
+        "torch_grnnd._C",
+        sources,
+        include_dirs=[os.path.join(here, "csrc")],
+        define_macros=define_macros,
+        extra_compile_args=extra_compile_args,
+        extra_link_args=extra_link_args,
+    )
 
-setup(
-    ext_modules=[
-        Extension(
-            "torch_grnnd._C",
-            sources,
-            include_dirs=[os.path.join(here, "csrc")],
-            define_macros=define_macros,
-            extra_compile_args=extra_compile_args,
-            extra_link_args=extra_link_args,
-        )
-    ],
-    cmdclass={"build_ext": BuildExtension},
-)
+
+def main() -> None:
+    no_cuda_reason = why_no_cuda(os.environ.get("GRNND_FORCE_CPU"), torch.__version__, torch.version.cuda, CUDA_HOME)
+    with_cuda = no_cuda_reason is None
+    choose_compilers()
+    cxx_std = "-std=" + torch_cxx_standard()
+    archs = archs_to_build() if with_cuda else None
+    print(build_line(no_cuda_reason, torch.version.cuda, CUDA_HOME, archs), file=sys.stderr)
+    record_build({"torch": torch.__version__, "cuda_kernels": with_cuda, "no_cuda_reason": no_cuda_reason,
+                  "cuda": torch.version.cuda if with_cuda else None, "cuda_arch_list": archs,
+                  "cuda_home": CUDA_HOME if with_cuda else None,
+                  "cxx": os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++",
+                  "cxx_standard": cxx_std[len("-std="):]})
+    setup(ext_modules=[extension(with_cuda, cxx_std)], cmdclass={"build_ext": BuildExtension})
+
+
+# pip runs this file as __main__ (setuptools' build backend does too); the tests import it.
+if __name__ == "__main__":
+    main()

@@ -8,6 +8,8 @@ The ops are also reachable as ``torch.ops.grnnd.build/search/knn/knn_graph``; th
 they return are differentiable (``autograd``), and ``torch_grnnd.nn`` has the layers
 ``KNNGraph`` and ``Retriever``. Logs go to the ``"torch_grnnd"`` logger.
 """
+import warnings
+
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.grnnd.*)
@@ -28,11 +30,33 @@ def _check_torch_release() -> None:
 _check_torch_release()
 
 
+def _build_record() -> dict:
+    try:
+        from ._build import BUILD
+    except ImportError:  # built without setup.py
+        return {}
+    return BUILD
+
+
 def info() -> dict:
-    """How this install was built: the torch it was compiled against and runs under, whether it
-    holds the CUDA kernels and, if not, why (as ``setup.py`` found it), the CUDA release and
-    archs, and the C++ compiler. ``setup.py`` records the build next to the extension; a record
-    that disagrees with the extension (a stale copy) is reported as such.
+    """How this install was built, from the extension itself and the record ``setup.py`` writes
+    next to it (``torch_grnnd/_build.py``). The keys:
+
+    - ``cuda_kernels`` (bool): whether the CUDA kernels are compiled in; ``no_cuda_reason`` (str or
+      None): if not, why, as ``setup.py`` found it (``GRNND_FORCE_CPU``, a torch without CUDA, no
+      CUDA toolkit), or "unknown: ..." without a record that matches the extension.
+    - ``cuda`` (str or None): the CUDA release the kernels were compiled with; ``cuda_arch_list``
+      (str or None): the GPU archs they were compiled for, spelt as ``TORCH_CUDA_ARCH_LIST``
+      (``"9.0+PTX"``; empty from older builds, which recorded only that the GPUs visible at build
+      time chose them); ``cuda_home``: the toolkit's folder.
+    - ``torch_built`` (str): the torch compiled against; ``torch_running`` (str): the torch running
+      now. Their releases (major.minor) agree: the import refuses another release.
+    - ``cxx``, ``cxx_standard`` (str or None): the C++ compiler and the standard compiled for.
+    - ``gpu_visible`` (bool): whether the running torch sees a GPU.
+    - ``mismatch`` (str or None): what differs when the record describes another build than the
+      extension's (one left by an earlier build); the record is then ignored.
+
+    Records from older builds lack some keys; theirs are None.
 
     Example:
         >>> import torch, torch_grnnd as grnnd
@@ -40,32 +64,39 @@ def info() -> dict:
         >>> facts["torch_running"] == torch.__version__, facts["cuda_kernels"] in (True, False)
         (True, True)
     """
-    try:
-        from ._build import BUILD as recorded
-    except ImportError:  # built without setup.py
-        recorded = {}
-    facts = {"torch": None, "cuda_kernels": None, "no_cuda_reason": None, "cuda": None, "cuda_arch_list": None,
-             "cuda_home": None, "cxx": None, "cxx_standard": None, **recorded}
-    built = _C.torch_release
-    facts.update(torch_built=f"{built // 100}.{built % 100}", torch_running=torch.__version__,
-                 cuda_kernels=bool(_C.with_cuda), gpu_visible=torch.version.cuda is not None and torch.cuda.is_available())
-    if recorded.get("cuda_kernels") is not None and recorded["cuda_kernels"] != facts["cuda_kernels"]:
-        facts["no_cuda_reason"] = "unknown: torch_grnnd/_build.py describes another build than the extension's"
-    facts.pop("torch", None)
-    return facts
+    recorded = _build_record()
+    cuda_kernels = bool(_C.with_cuda)
+    release = f"{_C.torch_release // 100}.{_C.torch_release % 100}"
+    recorded_release = ".".join(recorded.get("torch", release).split(".")[:2])
+    differences = [f"{what}: {was} in the record, {now} in the extension" for what, was, now in (
+        ("CUDA kernels", recorded.get("cuda_kernels", cuda_kernels), cuda_kernels),
+        ("torch release", recorded_release, release)) if was != now]
+    mismatch = (f"torch_grnnd/_build.py describes another build than the extension's ({'; '.join(differences)}): "
+                "reinstall to renew it") if differences else None
+    if mismatch is not None:
+        recorded = {}  # another build's facts: none of them is known to hold for this one
+    if cuda_kernels:
+        no_cuda_reason = None
+    else:
+        no_cuda_reason = recorded.get("no_cuda_reason") or "unknown: no record from setup.py matches this extension"
+    return {"cuda_kernels": cuda_kernels, "no_cuda_reason": no_cuda_reason, "cuda": recorded.get("cuda"),
+            "cuda_arch_list": recorded.get("cuda_arch_list"), "cuda_home": recorded.get("cuda_home"),
+            "torch_built": recorded.get("torch", release),
+            "torch_running": torch.__version__, "cxx": recorded.get("cxx"), "cxx_standard": recorded.get("cxx_standard"),
+            "gpu_visible": torch.version.cuda is not None and torch.cuda.is_available(), "mismatch": mismatch}
 
 
 def _warn_without_cuda_kernels() -> None:
     # Asked only when the extension lacks the CUDA kernels but torch has CUDA: the one case where
-    # a user would otherwise learn it at the first CUDA call.
+    # a user would otherwise learn it at the first CUDA call. The cheap tests come first, so a
+    # CUDA build and a CPU torch never ask the driver; is_available leaves torch's CUDA state
+    # uninitialised (no context).
     if _C.with_cuda or torch.version.cuda is None or not torch.cuda.is_available():
         return
-    import warnings
-    reason = info()["no_cuda_reason"] or "unknown"
-    warnings.warn(f"torch_grnnd was built without its CUDA kernels ({reason}), and this machine has a GPU: "
-                  "torch_grnnd ops on CUDA tensors will raise. Reinstall with the CUDA toolkit of torch's CUDA "
-                  f"{torch.version.cuda} present (nvcc on PATH or CUDA_HOME set): "
-                  "pip install --no-build-isolation -e .", stacklevel=2)
+    warnings.warn(f"torch_grnnd was built without its CUDA kernels ({info()['no_cuda_reason']}), and this machine "
+                  "has a GPU: torch_grnnd ops on CUDA tensors will raise. Reinstall with the CUDA toolkit of "
+                  f"torch's CUDA {torch.version.cuda} present (nvcc on PATH or CUDA_HOME set): "
+                  "pip install --no-build-isolation -e . (torch_grnnd.info() describes this build)", stacklevel=2)
 
 
 _warn_without_cuda_kernels()
