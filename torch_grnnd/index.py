@@ -600,19 +600,30 @@ class Index:
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Write the index (its :meth:`state_dict`) to ``path`` so that no crash leaves the file
-        half-written: a temporary file beside it, flushed to disk, then renamed over it
-        (:mod:`torch_grnnd.saving`). The file records a format version and a checksum of every
-        tensor."""
+        half-written: a temporary file beside it (``<name>.<16 hex digits>.tmp``), flushed to disk,
+        then renamed over it (:mod:`torch_grnnd.saving`). The file records a format version, a
+        CRC-32 of every 64 MiB of every tensor and one of the rest. A save killed part-way leaves
+        its temporary file, which the next save to ``path`` deletes."""
         saving.save_state(self.state_dict(), path)
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike], *, device: Optional[Union[str, torch.device]] = None,
              verify: bool = True) -> "Index":
-        """The index :meth:`save` wrote to ``path``, its tensors mapped from the file (or copied to
-        ``device``). ``verify`` (the default) checks every tensor's checksum, reading the whole
-        file once; ``verify=False`` skips that, so a search reads only what it touches. A file
-        that is truncated, corrupted, of a newer format or not an index raises ValueError naming
-        it."""
+        """The index :meth:`save` wrote to ``path``. ``verify`` (the default) checks every tensor's
+        checksum, reading the whole file once; ``verify=False`` skips that. A file that is
+        truncated, corrupted, of a newer format or not an index raises ValueError naming it (and,
+        for a checksum that does not match, the tensor). A bare ``state_dict`` saved by
+        ``torch.save`` loads too, without checksums to check.
+
+        The file is memory-mapped (``torch.load(mmap=True)``, copy-on-write). With ``device=None``
+        the tensors stay on the CPU, backed by the file: its pages are read when first touched (so
+        with ``verify=False`` a search reads only the rows it visits) and stay in the page cache,
+        shared with other processes that map the file; edits write to private copies of the pages
+        they change, never to the file. Saving over ``path`` again is safe while it is mapped (the
+        rename leaves the mapped file's contents to the mapping), but truncating or rewriting the
+        file in place is not. With ``device`` a GPU (``"cuda"``) the tensors are copied to it during
+        the load (from the page cache, where ``verify`` has just read the file) and the mapping is
+        released; ``device="cpu"`` keeps the mapping."""
         state = saving.load_state(path, verify=verify)
         # No room reserved past the rows: that would copy them out of the mapping; the first add
         # makes room instead.
