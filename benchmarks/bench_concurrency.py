@@ -5,9 +5,11 @@
 
 An Index of 90% of the rows; --searchers threads (each on a CUDA stream of its own on a GPU, as a
 server's request threads would be) search batches of --batch queries back to back, first for
---seconds with no writer, then while one more thread makes --edits edits in turn: an add of 1% of
-the rows (from the held-out 10%, then rows removed earlier, under new ids), a remove of 1% of the
-live ids, and every tenth edit a compact. Reported:
+--seconds with no writer, then while one more thread makes --edits edits back to back: adds of 1%
+of the rows (from the held-out 10%, then rows removed earlier, under new ids) and removes of 1% of
+the live ids in turn, and every tenth edit a compact (--writer mixed), or adds of 1% only (--writer
+adds: the index starts with all rows but those the adds bring). --search-priority high puts the searchers'
+streams above the writer's (a server's choice: the GPU then runs their blocks first). Reported:
   - queries/s of all searchers without and with the writer, and their ratio (the goal: >= 80%);
   - errors raised by a search, and inconsistent results: a batch whose ids are not all live in
     one of the index versions between the version read before the search and the one after (a
@@ -31,10 +33,11 @@ from benchmarks.report import machine, machine_line
 
 
 def search_loop(index: grnnd.Index, queries: torch.Tensor, batch: int, stop: threading.Event, device: torch.device,
-                done: list, errors: list) -> None:
+                done: list, errors: list, priority: int = 0) -> None:
     """Search consecutive batches until ``stop``: appends (version before, version after, ids on
-    the CPU as int32) for each search to ``done``, and any exception to ``errors``."""
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    the CPU as int32) for each search to ``done``, and any exception to ``errors``. ``priority``:
+    the CUDA stream's (0 as the default stream's, negative: higher)."""
+    stream = torch.cuda.Stream(device, priority=priority) if device.type == "cuda" else None
     start = 0
     try:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -49,7 +52,9 @@ def search_loop(index: grnnd.Index, queries: torch.Tensor, batch: int, stop: thr
 
 
 def run_searchers(index, queries, args, device, stop, done, errors):
-    threads = [threading.Thread(target=search_loop, args=(index, queries, args.batch, stop, device, done, errors))
+    priority = -1 if args.search_priority == "high" else 0  # torch maps -1 to a high priority the GPU has
+    threads = [threading.Thread(target=search_loop,
+                                args=(index, queries, args.batch, stop, device, done, errors, priority))
                for _ in range(args.searchers)]
     for t in threads:
         t.start()
@@ -62,10 +67,20 @@ def main():
         p.add_argument("--batch", type=int, default=100, help="queries a search")
         p.add_argument("--edits", type=int, default=100, help="edits the writer makes")
         p.add_argument("--seconds", type=float, default=10.0, help="length of the phase without a writer")
+        p.add_argument("--writer", choices=("mixed", "adds"), default="mixed",
+                       help="mixed: adds, removes and compacts; adds: adds of 1%% only (the index starts "
+                            "with all rows but --edits %% of them)")
+        p.add_argument("--search-priority", choices=("default", "high"), default="default",
+                       help="the searchers' CUDA streams: the default priority, or the highest")
     args, device, name, base, queries = setup(__doc__, "clustered:n=1000000,d=384,clusters=1000,queries=10000",
                                               arguments)
     n = base.shape[0]
-    first, step = n * 9 // 10, max(n // 100, 1)
+    step = max(n // 100, 1)
+    # Mixed edits draw on 10% of the rows held out (removed rows go back to them); adds only
+    # need a row for each edit, so the index starts that much smaller.
+    first = n * 9 // 10 if args.writer == "mixed" else n - args.edits * step
+    if first < n // 10:
+        raise SystemExit(f"--writer adds: {args.edits} adds of 1% need fewer edits (at most 90)")
     index = grnnd.Index.build(base[:first], ids=torch.arange(first, device=device))
     index.reserve(n + step)  # the adds land in room reserved up front, as a server would do
     index.search(queries[:args.batch], K, list_size=LIST)
@@ -79,49 +94,54 @@ def main():
         t.join()
     alone_qps = len(done) * args.batch / args.seconds
 
-    # With one. The version recorded after each edit; each id's recorded version from which it is
-    # live (absent: from the start) and the one from which it is removed: together the live ids
-    # of every recorded version, without a copy of the live set per edit.
-    live = set(range(first))
-    recorded, added_at, removed_at = [index.version], {}, {}
-    pending_added, pending_removed = [], []
-    held_out = list(range(first, n))  # rows not in the index: added, and re-added after removal
+    # With one. The writer's own bookkeeping is tensors (their ops release the GIL), so that it
+    # takes no time from the searchers' Python: per id, the row of base it holds and the recorded
+    # version from which it is live and from which it is removed (max_version: never), which
+    # together give the live ids of every recorded version.
+    never = torch.iinfo(torch.int64).max
+    adds = (args.edits + 1) // 2 if args.writer == "mixed" else args.edits
+    ids_ever = n + adds * step
+    row_of = torch.full((ids_ever,), -1, dtype=torch.int64)
+    row_of[:first] = torch.arange(first)
+    added_at = torch.full((ids_ever,), -1, dtype=torch.int64)  # -1: before the writer
+    added_at[first:] = never
+    removed_at = torch.full((ids_ever,), never, dtype=torch.int64)
+    live = torch.zeros(ids_ever, dtype=torch.bool)
+    live[:first] = True
+    recorded = [index.version]
+    held_out = torch.arange(first, n)  # rows not in the index: added, and re-added after removal
     next_id, times = n, {"add": [], "remove": [], "compact": []}
-    row_of = {i: i for i in range(first)}  # id -> row of base it holds
     g = torch.Generator().manual_seed(0)
     stop, done, errors = threading.Event(), [], []
     threads = run_searchers(index, queries, args, device, stop, done, errors)
     began = time.perf_counter()
     try:
+        changes = 0  # adds and removes alternate, so that the held-out rows never run out
         for edit in range(args.edits):
-            kind = "compact" if edit % 10 == 9 else ("add" if edit % 2 == 0 else "remove")
+            kind = "add" if args.writer == "adds" else (
+                "compact" if edit % 10 == 9 else ("add" if changes % 2 == 0 else "remove"))
+            changes += kind != "compact"
             t0 = time.perf_counter()
             if kind == "add":
-                rows = torch.tensor(held_out[:step])
-                del held_out[:step]
+                rows, held_out = held_out[:step], held_out[step:]
                 ids = torch.arange(next_id, next_id + rows.numel())
                 index.add(base[rows.to(device)], ids=ids.to(device))
-                for i, r in zip(ids.tolist(), rows.tolist()):
-                    row_of[i] = r
-                live |= set(ids.tolist())
-                pending_added = ids.tolist()
                 next_id += rows.numel()
             elif kind == "remove":
-                order = sorted(live)
-                gone = [order[i] for i in torch.randperm(len(order), generator=g)[:step].tolist()]
-                index.remove(torch.tensor(gone, device=device))
-                live -= set(gone)
-                pending_removed = gone
-                held_out += [row_of.pop(i) for i in gone]
+                candidates = live.nonzero().squeeze(1)
+                gone = candidates[torch.randperm(candidates.numel(), generator=g)[:step]]
+                index.remove(gone.to(device))
             else:
                 index.compact()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times[kind].append(time.perf_counter() - t0)
             recorded.append(index.version)
-            added_at.update(dict.fromkeys(pending_added, recorded[-1]))
-            removed_at.update(dict.fromkeys(pending_removed, recorded[-1]))
-            pending_added, pending_removed = [], []
+            if kind == "add":
+                row_of[ids], added_at[ids], live[ids] = rows, recorded[-1], True
+            elif kind == "remove":
+                removed_at[gone], live[gone] = recorded[-1], False
+                held_out = torch.cat([held_out, row_of[gone]])
     finally:
         stop.set()
         for t in threads:
@@ -132,21 +152,22 @@ def main():
     # A search may have started or ended inside an edit that made more than one version visible:
     # it may see any recorded state from the last one at or before `before` to the first one at or
     # after `after`.
-    def all_live(found: set, v: int) -> bool:
-        return all(added_at.get(i, v) <= v < removed_at.get(i, v + 1) for i in found)
+    def all_live(found: torch.Tensor, v: int) -> bool:
+        return bool(((added_at[found] <= v) & (v < removed_at[found])).all())
 
     inconsistent = 0
     for before, after, ids in done:
-        found = set(ids[ids >= 0].tolist())
+        found = ids[ids >= 0].long()
         low = max(bisect.bisect_right(recorded, before) - 1, 0)
         high = bisect.bisect_left(recorded, after) + 1
         inconsistent += not any(all_live(found, v) for v in recorded[low:high])
-    kept = torch.tensor(sorted(live), device=device)
-    rows = torch.tensor([row_of[i] for i in kept.tolist()], device=device)
+    kept = live.nonzero().squeeze(1)
+    rows = row_of[kept].to(device)
+    kept = kept.to(device)
     truth = kept[grnnd.knn(base[rows], queries, K)[1]]
     results = {
         "data": name, "n": n, "dim": base.shape[1], "device": device.type, "searchers": args.searchers,
-        "batch": args.batch, "edits": args.edits, "rows_per_edit": step,
+        "batch": args.batch, "search_priority": args.search_priority, "writer": args.writer, "edits": args.edits, "rows_per_edit": step,
         "machine": machine(threads=torch.get_num_threads(), cuda=device.type == "cuda"),
         "alone_qps": alone_qps, "shared_qps": shared_qps, "ratio": shared_qps / alone_qps,
         "searches_during_edits": len(done), "writer_s": writer_s, "errors": len(errors), "first_error": errors[:1],
@@ -156,7 +177,8 @@ def main():
     }
     print(json.dumps({k: v for k, v in results.items() if k != "machine"}), flush=True)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"concurrency_{name}_{device.type}")
+    stem = os.path.join(args.out, f"concurrency_{name}_{device.type}" + ("_adds" if args.writer == "adds" else "")
+                        + ("_high" if args.search_priority == "high" else ""))
     with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=1)
     with open(stem + ".md", "w") as f:
@@ -171,8 +193,10 @@ def report_lines(r: dict) -> list:
             "| searchers x batch | q/s alone | q/s with a writer | ratio | searches during edits | errors | "
             "inconsistent | edits (median) | recall@10 after |",
             "|---|---:|---:|---:|---:|---:|---:|---|---:|",
-            f"| {r['searchers']} x {r['batch']} | {r['alone_qps']:,.0f} | {r['shared_qps']:,.0f} | {r['ratio']:.2f} | "
-            f"{r['searches_during_edits']:,} | {r['errors']} | {r['inconsistent']} | {r['edits']} of "
+            f"| {r['searchers']} x {r['batch']}"
+            f"{' (high-priority streams)' if r.get('search_priority') == 'high' else ''} | {r['alone_qps']:,.0f} | {r['shared_qps']:,.0f} | {r['ratio']:.2f} | "
+            f"{r['searches_during_edits']:,} | {r['errors']} | {r['inconsistent']} | {r['edits']} "
+            f"{'adds' if r.get('writer') == 'adds' else 'edits'} of "
             f"{r['rows_per_edit']:,} rows: {medians} | {r['recall']:.4f} |"]
 
 

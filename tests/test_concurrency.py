@@ -1,6 +1,7 @@
 """An Index (and a Retriever, which holds one) shared by threads: searches running while another
 thread adds, removes and compacts answer as of one state the edits passed through (checked
 against a model of the index's contents), and never raise because of the edits."""
+import contextlib
 import sys
 import threading
 import time
@@ -33,11 +34,16 @@ def run_stress(device: str, kind: str = "Index", edits: int = 36, searchers: int
     stop = threading.Event()
 
     def search_until_stopped():
+        # On a GPU each searcher has a stream of its own, as a server's request threads would:
+        # storage an edit replaces must not be reused while a search queued on another stream
+        # still reads it (the distances checked below would be a garbage row's).
+        stream = torch.cuda.Stream(device) if device == "cuda" else None
         try:
-            while not stop.is_set():
-                before = version()
-                dists, ids = search()
-                results.append((before, version(), dists.cpu(), ids.cpu()))
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                while not stop.is_set():
+                    before = version()
+                    dists, ids = search()
+                    results.append((before, version(), dists.cpu(), ids.cpu()))
         except Exception as error:  # noqa: BLE001 - any error fails the test below
             errors.append(error)
 
@@ -46,23 +52,26 @@ def run_stress(device: str, kind: str = "Index", edits: int = 36, searchers: int
         t.start()
     next_id = start
     deadline = time.monotonic() + seconds
+    writer = torch.cuda.Stream(device) if device == "cuda" else None  # the edits' own stream on a GPU
     try:
-        for step in range(edits):
-            if time.monotonic() > deadline:
-                break
-            if step % 6 == 5:
-                index.compact()
-            elif step % 3 == 2:
-                gone = torch.tensor(sorted(live), device=device)[torch.randperm(len(live), generator=g)[:150]
-                                                               .to(device)]
-                index.remove(gone)
-                live -= set(gone.tolist())
-            else:
-                batch = 1_600 if step in (1, 19) else 150  # a quarter of the index grows it in one build
-                index.add(vectors[next_id:next_id + batch], ids=torch.arange(next_id, next_id + batch, device=device))
-                live |= set(range(next_id, next_id + batch))
-                next_id += batch
-            states[version()] = frozenset(live)
+        with torch.cuda.stream(writer) if writer is not None else contextlib.nullcontext():
+            for step in range(edits):
+                if time.monotonic() > deadline:
+                    break
+                if step % 6 == 5:
+                    index.compact()
+                elif step % 3 == 2:
+                    gone = torch.tensor(sorted(live), device=device)[torch.randperm(len(live), generator=g)[:150]
+                                                                   .to(device)]
+                    index.remove(gone)
+                    live -= set(gone.tolist())
+                else:
+                    batch = 1_600 if step in (1, 19) else 150  # a quarter of the index grows it in one build
+                    index.add(vectors[next_id:next_id + batch],
+                              ids=torch.arange(next_id, next_id + batch, device=device))
+                    live |= set(range(next_id, next_id + batch))
+                    next_id += batch
+                states[version()] = frozenset(live)
     finally:
         stop.set()
         for t in threads:

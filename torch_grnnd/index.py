@@ -205,14 +205,21 @@ class Index:
     def _publish(self, write_in_place: Optional[Callable[[], None]] = None, **fields: Any) -> None:
         """Make an edit visible: with no read under way, ``write_in_place`` (writes to storage that
         a search of the current state reads) and the new values of ``fields``. On a GPU the
-        device is synchronised around those writes, so that searches queued there before (on any
-        stream) read the old rows and searches queued after read the new ones."""
+        device is synchronised first: the searches queued before (on any stream) have read the
+        old rows before they are overwritten, and before the tensors the fields held can be freed
+        (the caching allocator would hand their memory to later work on the stream that made
+        them while a search on another stream still read it); and again after the writes, so
+        that searches queued after read the new rows."""
         compiling = torch.compiler.is_compiling()
+        on_gpu = self.graph.device.type == "cuda" and not compiling
+        if on_gpu:
+            # The edit's own work first, while searches still run: under the exclusive lock below
+            # the device synchronisation then waits only for the searches already queued.
+            torch.cuda.current_stream(self.graph.device).synchronize()
         with contextlib.nullcontext() if compiling else _locks(self)[0].exclusive():
+            if on_gpu:
+                torch.cuda.synchronize(self.graph.device)
             if write_in_place is not None:
-                on_gpu = self.graph.device.type == "cuda" and not compiling
-                if on_gpu:
-                    torch.cuda.synchronize(self.graph.device)
                 write_in_place()
                 if on_gpu:
                     torch.cuda.synchronize(self.graph.device)
