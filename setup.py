@@ -147,7 +147,7 @@ def record_build(facts: dict) -> None:
 
 def extension(with_cuda: bool, cxx_std: str):
     """torch_grnnd._C: the CPU kernels, and the CUDA kernels when ``with_cuda``."""
-    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     # No -march flags: the graph loops wait on memory, not arithmetic (prefetching helped, AVX2/
     # AVX-512 builds of the distance loops did not measurably), and a baseline build runs anywhere.
     extra_compile_args = {"cxx": ["-O3", cxx_std]}
@@ -163,7 +163,7 @@ def extension(with_cuda: bool, cxx_std: str):
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     define_macros = [("GRNND_TORCH_RELEASE", str(major * 100 + minor))]
     if with_cuda:
-        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        sources += sorted(glob.glob("csrc/**/*.cu", recursive=True))
         define_macros.append(("GRNND_WITH_CUDA", None))
         extra_compile_args["nvcc"] = ["-O3", cxx_std, "--expt-relaxed-constexpr", "-lineinfo"]
     return (CUDAExtension if with_cuda else CppExtension)(

@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_checks --n 1000000 --dim 384 --out DIR
 
-The search checks its inputs' values (csrc/checks.cpp, csrc/cuda/search_cuda.cu):
+The search checks its inputs' values (csrc/core/checks.cpp, csrc/cuda/search_cuda.cu):
   - on every call, that the queries are finite: a fill of one int64, one kernel over the queries
     queued before the search, and one host synchronisation after it to read the answer;
   - once per graph and version, that every graph id lies in [-1, N): aminmax over the graph and a

@@ -6,7 +6,7 @@ score matrix.
 
 For each N x D: N random float16 rows, and for every row its nearest hubs among the N / 1000 of
 the build (torch_grnnd.diagnostics.nearest_hubs with the rows as queries). Two hubs, as the
-build's cells take them, go through the fused product where csrc/hubs.h allows it (D <= 512);
+build's cells take them, go through the fused product where csrc/build/hubs.h allows it (D <= 512);
 three go through grnnd's score matrix and one-pass selection (the path the build took for two
 before the fused product, whose selection of three costs a little more); the baseline is plain
 PyTorch: float32 scores by torch.mm in chunks of 2^26 and topk. Each is timed with CUDA events

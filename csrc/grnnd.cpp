@@ -1,10 +1,10 @@
 // The op schemas of torch.ops.grnnd: the single place that declares them and their defaults.
-// Kernels register themselves next to their code (csrc/cpu/, csrc/cuda/, knn_graph.cpp).
+// Kernels register themselves next to their code (csrc/cpu/, csrc/cuda/, csrc/pyg/knn_graph.cpp).
 #include <Python.h>
 
 #include <torch/library.h>
 
-#include "progress.h"
+#include "core/progress.h"
 
 // Without CUDA kernels in this build, CUDA tensors get a message that says why and what to do,
 // instead of the dispatcher's generic "could not run ... with arguments from the 'CUDA' backend".
@@ -119,7 +119,7 @@ TORCH_LIBRARY(grnnd, m) {
   m.def(
       "segment_edges(Tensor dists, Tensor ids, *, float? max_distance=None, bool drop_self=False, "
       "bool neighbour_first=False) -> Tensor");
-  // The build's relative-neighbourhood rule applied to chosen rows (csrc/prune.h): for each
+  // The build's relative-neighbourhood rule applied to chosen rows (csrc/build/prune.h): for each
   // vertices[i], a row of at most `degree` of its candidates[i] (-1 padded, any values; those
   // outside [0, n) are ignored), as editing an index needs; the first `fixed` columns are kept
   // whatever the rule says and however far (the nearest `degree` of them); with `shrink`, the
@@ -134,12 +134,12 @@ TORCH_LIBRARY(grnnd, m) {
   // in only the rows it names, without gathering them on the host first.
   m.def("gather_rows(Tensor data, Tensor ids) -> Tensor");
   // graph (as build returns it, rows ascending by distance) with every vertex made reachable from
-  // the search's entry points, as the build's last step does (csrc/reachability.h).
+  // the search's entry points, as the build's last step does (csrc/build/reachability.h).
   m.def("connect(Tensor data, Tensor graph, *, str metric=\"l2\") -> Tensor");
   // graph with its short rows filled to the full degree from two hops, as the build's step
-  // before that repair does (csrc/fill.h).
+  // before that repair does (csrc/build/fill.h).
   m.def("fill(Tensor data, Tensor graph, *, str metric=\"l2\") -> Tensor");
-  // The hubs of data's rows (csrc/hubs.h): int64 ids, empty for small data.
+  // The hubs of data's rows (csrc/build/hubs.h): int64 ids, empty for small data.
   m.def("hub_ids(Tensor data) -> Tensor");
   // For each query, the ids of its k nearest hubs among data's rows, nearest first: int64
   // [q, min(k, hubs)] (no columns for data without hubs). The search's entry points (hubs.h).

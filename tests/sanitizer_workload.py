@@ -103,7 +103,7 @@ def segments(g: torch.Generator):
             # x's examples as a batch vector: each query searches it for its rows.
             torch.ops.grnnd.knn_segments(x, y, None, batch_y, k, method="scan", batch_x=batch_x, examples=7)
             torch.ops.grnnd.knn_segments(x, y, None, batch_y, k, method="scan", batch_x=batch_x, examples=3)
-            if k <= 32:  # the grid path (csrc/grid.h), every register list size
+            if k <= 32:  # the grid path (csrc/pyg/grid.h), every register list size
                 torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y, k, method="grid")
                 torch.ops.grnnd.knn_segments(x, y * 40, ptr_x, batch_y, k + 7, method="grid")
     # Many small examples in one launch: 4 000 of 1 to 39 rows.

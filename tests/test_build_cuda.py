@@ -1,7 +1,7 @@
 """CUDA build (csrc/cuda/build_cuda.cu) against its CPU twin and against exact neighbours.
 
 Skipped without a GPU. The CUDA kernel draws the same random numbers as the CPU one
-(csrc/philox.h), so the parts of a build that do not depend on the timing of concurrent
+(csrc/core/philox.h), so the parts of a build that do not depend on the timing of concurrent
 inserts give the same graph on both, and the rest must give graphs of the same quality.
 """
 import functools
@@ -51,7 +51,7 @@ def row_distances(data, graph, metric):
     if metric == "l2":
         d = ((nb - x[:, None, :]) ** 2).sum(-1)
     elif metric == "ip":
-        # The build ranks by squared l2 in the lifted space (csrc/params.h, lifts_inner_product):
+        # The build ranks by squared l2 in the lifted space (csrc/core/params.h, lifts_inner_product):
         # each row gets the extra coordinate sqrt(max|x|^2 - |x|^2).
         sq = (x**2).sum(1)
         lift = (sq.max() - sq).clamp_min(0).sqrt()
@@ -117,7 +117,7 @@ def test_initial_graph_matches_cpu(metric):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_initial_graph_from_hub_cells_matches_cpu(metric, dtype):
     # 50 000 half-precision rows: the CUDA build finds each row's two nearest hubs with the fused
-    # product (csrc/hubs.h; inner product through the lift), the CPU through float32 scores. The
+    # product (csrc/build/hubs.h; inner product through the lift), the CPU through float32 scores. The
     # draws come from the same cells only if no row changes cells: a draw is a position in its
     # cell's member list, so one row that moves shifts the draws of all who draw from its cells.
     # Cosine rows are normalised in their storage type on both devices for that reason

@@ -22,7 +22,7 @@ def check_graph_invariants(graph: torch.Tensor, data: torch.Tensor, degree: int,
     if metric == "cosine":
         x = torch.nn.functional.normalize(x, dim=1)
     neigh = x[graph.long().clamp_min(0)]
-    if metric == "ip":  # ip graphs are built on the lifted l2 distance (csrc/params.h)
+    if metric == "ip":  # ip graphs are built on the lifted l2 distance (csrc/core/params.h)
         sq = x.pow(2).sum(1)
         lift = (sq.max() - sq).clamp_min(0).sqrt()
         d = (neigh - x.unsqueeze(1)).pow(2).sum(-1) + (lift[graph.long().clamp_min(0)] - lift.unsqueeze(1)).pow(2)
@@ -79,7 +79,7 @@ def test_split_search_recall(blobs, blobs_truth, blobs_graph):
         return grnnd.recall(grnnd.search(data, blobs_graph, queries, 10, list_size=list_size, searches=searches)[1],
                             blobs_truth)
 
-    # With rows filled to the degree (csrc/fill.h) one search at list 16 already recalls 0.99 here;
+    # With rows filled to the degree (csrc/build/fill.h) one search at list 16 already recalls 0.99 here;
     # at list 10 it missed 0.011 of the neighbours against 0.005 split in 8 (CPU, degree 48).
     assert 1 - recall(10, 8) <= (1 - recall(10, 1)) * 2 / 3
     assert recall(32, 8) >= recall(32, 1) - 0.015
@@ -189,7 +189,7 @@ def test_knn_graph_has_torch_clusters_loop_and_small_example_semantics(loop):
 
 def quality(data, queries, truth, **build_params):
     """Graph quality as recall@10 of the smallest search (list 10), averaged over seeds: filled rows
-    (csrc/fill.h) recall 0.97 at list 16 here whatever the rounds made of them."""
+    (csrc/build/fill.h) recall 0.97 at list 16 here whatever the rounds made of them."""
     recalls = []
     for seed in (0, 1):
         graph = grnnd.build(data, seed=seed, **build_params)
@@ -204,7 +204,7 @@ def test_random_order_beats_ascending_at_equal_iterations(blobs, blobs_truth):
     few = dict(outer_iters=2, inner_iters=3, start="random", delta=0)
     random = quality(data, queries, blobs_truth, update_order="random", **few)
     ascending = quality(data, queries, blobs_truth, update_order="ascending", **few)
-    # The fill (csrc/fill.h) narrows the gap the rounds leave: 0.925 against 0.911 at list 10 (CPU).
+    # The fill (csrc/build/fill.h) narrows the gap the rounds leave: 0.925 against 0.911 at list 10 (CPU).
     assert random > ascending + 0.005, (random, ascending)
 
 
@@ -213,7 +213,7 @@ def test_reverse_edges_improve_the_graph(blobs, blobs_truth):
     data, queries = blobs
     without = quality(data, queries, blobs_truth, reverse_ratio=0.0)
     sampled = quality(data, queries, blobs_truth, reverse_ratio=0.6)
-    # Narrowed by the fill (csrc/fill.h): 0.966 against 0.960 at list 10 (CPU).
+    # Narrowed by the fill (csrc/build/fill.h): 0.966 against 0.960 at list 10 (CPU).
     assert sampled > without, (sampled, without)
 
 

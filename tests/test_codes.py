@@ -1,5 +1,5 @@
 """Searches that walk the graph by compact codes (8-bit, and 4-bit of the rotated rows) and re-rank
-by exact distances (csrc/codes.h): recall against faiss-cpu, exact returned distances, the CPU and
+by exact distances (csrc/core/codes.h): recall against faiss-cpu, exact returned distances, the CPU and
 CUDA twins, filters, bad input."""
 import pytest
 import torch
@@ -37,7 +37,7 @@ def test_encode_layout_and_decoding():
 
 
 def _int4_parts(codes, dim):
-    """(levels v [N, D], alpha, K, cell) of int4 code rows (csrc/codes.h)."""
+    """(levels v [N, D], alpha, K, cell) of int4 code rows (csrc/core/codes.h)."""
     width = grnnd.codes.code_dims(dim, "int4") // 2
     packed = codes.rows[:, :width]
     levels = torch.stack([packed & 0xF, packed >> 4], 2).flatten(1)
@@ -47,7 +47,7 @@ def _int4_parts(codes, dim):
 
 
 def _int4_estimates(codes, queries, dim):
-    """[Q, N]: the distances the search walks by (csrc/codes.h), in float64 and without the
+    """[Q, N]: the distances the search walks by (csrc/core/codes.h), in float64 and without the
     query's quantisation: -t_j + K - alpha <v, y> (x2 under l2, plus |q - c_0|^2; 1 + under cosine)."""
     levels, alpha, k, cell = _int4_parts(codes, dim)
     v = levels[:, :dim].double() - 7.5

@@ -1,8 +1,8 @@
 """A build's start, convergence and connectivity: what keeps quality from depending on N.
 
-Hubs (csrc/hubs.h) give the build a local start and the search entry points near each query;
+Hubs (csrc/build/hubs.h) give the build a local start and the search entry points near each query;
 the build stops rounds when they change little (delta) and ends with every vertex reachable
-from the hubs (csrc/reachability.h). CPU here, CUDA where available.
+from the hubs (csrc/build/reachability.h). CPU here, CUDA where available.
 """
 import pytest
 import torch
@@ -98,7 +98,7 @@ def test_fused_nearest_hubs_select_as_the_score_matrix_does(metric, dtype):
 @pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_batches_find_the_hubs_a_large_batch_finds(metric, dtype):
-    # A few queries take the direct kernels (csrc/hubs.h, direct_hub_entries_cuda), 600 of them the
+    # A few queries take the direct kernels (csrc/build/hubs.h, direct_hub_entries_cuda), 600 of them the
     # matrix product (600 x 2 100 pairs is more than kMaxDirectHubPairs); 2 100 hubs make a sort
     # of 4 096 keys across more than one pass of the block's threads.
     g = torch.Generator().manual_seed(8)
@@ -169,7 +169,7 @@ def assert_rows_well_formed(graph: torch.Tensor):
 
 
 def fill_by_recipe(data: torch.Tensor, graph: torch.Tensor, passes: int = 3) -> torch.Tensor:
-    """csrc/fill.h's recipe, row by row in float64: the fill's oracle."""
+    """csrc/build/fill.h's recipe, row by row in float64: the fill's oracle."""
     x = data.double()
     n, degree = graph.shape
     rows = graph.tolist()
@@ -253,7 +253,7 @@ def test_the_fill_checks_its_inputs():
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_are_filled_to_the_degree_from_two_hops(many_clusters, device):
     # The relative-neighbourhood rule leaves a row of clustered data about half its places
-    # (csrc/fill.h): the build fills every row with the nearest of its two-hop neighbours.
+    # (csrc/build/fill.h): the build fills every row with the nearest of its two-hop neighbours.
     data = many_clusters[0].to(device)
     graph = grnnd.build(data)
     summary = grnnd.diagnostics.degree_summary(graph)

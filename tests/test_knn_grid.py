@@ -1,4 +1,4 @@
-"""knn_segments' grid path (csrc/grid.h) against its scan of every row: the same neighbours and
+"""knn_segments' grid path (csrc/pyg/grid.h) against its scan of every row: the same neighbours and
 bit for bit the same distances, on every shape of data the grid could get wrong (ties, points
 on a plane or a line or all in one place, queries far outside the data, empty and small
 examples, skipped and out-of-range example indices). The scan itself is checked against

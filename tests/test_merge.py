@@ -74,7 +74,7 @@ def test_a_build_started_from_its_own_graph_keeps_it(halves, device):
     assert after >= before - 0.005, (after, before)
     kept = torch.isin(again.long() + 5000 * torch.arange(5000, device=device)[:, None],
                       graph.long() + 5000 * torch.arange(5000, device=device)[:, None]).float().mean().item()
-    # About half of each filled row comes from the fill (csrc/fill.h), which the rounds decide again:
+    # About half of each filled row comes from the fill (csrc/build/fill.h), which the rounds decide again:
     # 0.70 of the entries kept on the CPU.
     assert kept > 0.6, kept
     for bad, error, match in [(graph.long(), TypeError, "init: expected int32"),
@@ -137,7 +137,7 @@ def test_cuda_start_keeps_what_the_cpu_keeps(dim, dtype, metric, columns, least)
     # cores (16-bit rows of whole 16-byte chunks, at most 32 entries) or a distance at a time;
     # either way it keeps what the CPU keeps, row for row, but where rounding decides near ties
     # apart: the Gram matrix's float32 sums and the half-precision differences of the CUDA build's
-    # other distances (team_distance's HALF_DIFFERENCE, csrc/cuda/vectors_cuda.cuh). On one H100
+    # other distances (team_distance's HALF_DIFFERENCE, csrc/cuda/detail/vectors_cuda.cuh). On one H100
     # the Gram path matched 0.98-0.99 of the rows for float16 (1.0 for cosine) and 0.92-0.93 for
     # bfloat16; a distance at a time, bfloat16 rows 40 wide under inner product matched 0.90.
     data = clustered(3000, dim, 30, seed=5).to(dtype)

@@ -1,4 +1,4 @@
-"""torch.ops.grnnd.prune_rows: the build's rule applied to chosen rows (csrc/prune.h), which
+"""torch.ops.grnnd.prune_rows: the build's rule applied to chosen rows (csrc/build/prune.h), which
 Index.add and Index.compact are made of.
 
 The oracle is the recipe written out here in plain torch, one row at a time. Integer-valued
@@ -19,7 +19,7 @@ def distance(x, a, b):
 
 
 def reference_row(x, v, candidates, degree, rule, fixed=0, shrink=False):
-    """The recipe of csrc/prune.h for one vertex, in squared l2 on float64 rows."""
+    """The recipe of csrc/build/prune.h for one vertex, in squared l2 on float64 rows."""
     x = x.double()
     if shrink:
         return reference_shrink(x, v, candidates, degree)

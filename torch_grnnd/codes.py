@@ -1,4 +1,4 @@
-"""Compact codes of the data rows, which the search walks the graph by (``csrc/codes.h``).
+"""Compact codes of the data rows, which the search walks the graph by (``csrc/core/codes.h``).
 
 A graph search reads a few thousand rows per query, and those bytes bound it. With codes the
 traversal reads one byte (``"int8"``) or half a byte (``"int4"``) per dimension instead of two or
@@ -32,12 +32,12 @@ from torch import Tensor
 CODE_KINDS = ("int8", "int4")
 
 # The format of a codes state: 2 for int4 rows coded about their cell's centre, the cell in the
-# tail (csrc/codes.h); a state of format 1 (or none) holds codes about one centre, whose ip and
+# tail (csrc/core/codes.h); a state of format 1 (or none) holds codes about one centre, whose ip and
 # cosine rows are coded again on loading (index.check_codes_state).
 CODES_FORMAT = 2
 
 # int4 cells: about sqrt(N) of them (a cell of about sqrt(N) rows), at most this many by
-# default (a query computes a dot with every cell, csrc/codes.h) and at most kMaxInt4Cells asked.
+# default (a query computes a dot with every cell, csrc/core/codes.h) and at most kMaxInt4Cells asked.
 # By default the rows are coded about cells only where the cells leave at most this share of the
 # rows' spread about their mean (squared distances, on the k-means sample): the code's error
 # scales with a row's distance from its centre, and each distance then costs a lookup of the
@@ -70,13 +70,13 @@ _INT4_HALF_RANGE = 7.5
 
 
 def code_dims(dim: int, kind: str = "int8") -> int:
-    """Codes per row, padded to a multiple of 16 (int8) or 32 (int4) (``code_dims`` in csrc/codes.h)."""
+    """Codes per row, padded to a multiple of 16 (int8) or 32 (int4) (``code_dims`` in csrc/core/codes.h)."""
     return (dim + 15) // 16 * 16 if kind == "int8" else (dim + 31) // 32 * 32
 
 
 def code_row_bytes(dim: int, metric: str, kind: str = "int8") -> int:
     """Bytes of one code row: the codes, then a 16-byte tail: under l2 the row's norm term for
-    int8, the row's scale and norm term for int4 (csrc/codes.h)."""
+    int8, the row's scale and norm term for int4 (csrc/core/codes.h)."""
     if kind == "int8":
         return code_dims(dim) + (16 if metric == "l2" else 0)
     return code_dims(dim, kind) // 2 + 16
@@ -269,7 +269,7 @@ def _encode_int8(x: Tensor, grid: Tensor, metric: str, out: Tensor) -> None:
 class _Int4Cells:
     """An int4 grid's parts in float64, as every chunk of rows coded on it needs them: the
     rotation, the centres, and the offsets W_j (c_j - c_0 under l2, c_j otherwise) with their
-    rotations P W_j and squared norms (csrc/codes.h)."""
+    rotations P W_j and squared norms (csrc/core/codes.h)."""
 
     def __init__(self, grid: Tensor, metric: str):
         dim = grid.shape[1]
@@ -281,7 +281,7 @@ class _Int4Cells:
 
 
 def _encode_int4(x: Tensor, cells: _Int4Cells, out: Tensor) -> None:
-    """Codes of the rows x (prepared) on an int4 grid (csrc/codes.h): the row's cell j (nearest
+    """Codes of the rows x (prepared) on an int4 grid (csrc/core/codes.h): the row's cell j (nearest
     centre) and r = P (x - c_j); of the steps tried (multiples of r's RMS), the one whose levels v
     point closest to r's direction; then alpha = |r|^2 / <v, r>, the row's constant K and j in the
     tail."""

@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 
 # The fewest out-edges a repaired row keeps where its candidates allow; prune_rows fills rows to the
-# full degree from its candidates (csrc/prune.h), so only a row with few candidates looks further.
+# full degree from its candidates (csrc/build/prune.h), so only a row with few candidates looks further.
 MIN_OUT_DEGREE = 8
-# Candidate columns one prune_rows call takes (csrc/prune.h, kMaxPruneCandidates).
+# Candidate columns one prune_rows call takes (csrc/build/prune.h, kMaxPruneCandidates).
 MAX_CANDIDATES = 2048
 # Candidate ids gathered at once when repairing rows after removals (int64 entries).
 CHUNK_ENTRIES = 1 << 26
@@ -30,7 +30,7 @@ def prune_rows(data: Tensor, metric: str, vertices: Tensor, candidates: Tensor, 
     columns are kept whatever the rule says and however far (the nearest ``degree`` of them),
     the others take the places left; with ``shrink=True`` the first ``degree`` columns are a
     row of the graph (ascending by distance) and the others its newcomers, and only the surplus
-    over ``degree`` goes, farthest covered first (``torch.ops.grnnd.prune_rows``, csrc/prune.h).
+    over ``degree`` goes, farthest covered first (``torch.ops.grnnd.prune_rows``, csrc/build/prune.h).
     """
     if not shrink:  # a shrink's first `degree` columns are the row, where they are
         candidates = torch.cat([candidates[:, :fixed], _packed(candidates[:, fixed:])], dim=1)

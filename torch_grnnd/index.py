@@ -686,7 +686,7 @@ def check_codes_state(state: Any, data: Tensor, metric: str) -> Codes:
     grid = grid.to(rows.device)
     if state["kind"] == "int4" and state.get("format", 1) < CODES_FORMAT and metric != "l2":
         # Single-centre ip and cosine codes of earlier versions lack the row constant the search
-        # now adds (csrc/codes.h): coded again on their own grid. Their l2 codes read unchanged.
+        # now adds (csrc/core/codes.h): coded again on their own grid. Their l2 codes read unchanged.
         rows = encode_rows(data, grid, metric)
     return Codes(state["kind"], metric, rows, grid)
 

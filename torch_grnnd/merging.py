@@ -2,11 +2,11 @@
 
 The graph of the union starts from both graphs: each row keeps, as already compared ("old"),
 the entries of its own graph's row that the rule keeps among themselves (a built row also holds
-the fill's two-hop entries, csrc/fill.h, which would otherwise sit in every pool uncompared and
+the fill's two-hop entries, csrc/build/fill.h, which would otherwise sit in every pool uncompared and
 be compared with every new entry), and its S draws come from the other graph's rows in the
 cells of the union's hubs (``init_split``), as new ones: its own graph's rows were compared by
 its own build. The rounds compare only pairs with a new entry and, as GGM does, only pairs
-across the two graphs (``compares_pair`` in csrc/build_schedule.h): a pair of two rows of one
+across the two graphs (``compares_pair`` in csrc/build/build_schedule.h): a pair of two rows of one
 graph was pruned by that graph's own build, so the work goes to where the rows of one graph sit
 among those of the other.
 

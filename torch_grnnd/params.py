@@ -120,7 +120,7 @@ class BuildParams(_Settings):
 
 
 # The longest candidate list a search keeps, and so the most neighbours it returns (kMaxListSize
-# in csrc/params.h, which checks every search's settings).
+# in csrc/core/params.h, which checks every search's settings).
 MAX_LIST_SIZE = 1024
 
 

@@ -1,7 +1,7 @@
 """Progress of long builds: a tqdm bar, log lines, or a callback of your own.
 
 The build kernels report after each update round through a hook in the extension
-(csrc/progress.h), with how many pool entries the round changed: the build stops once that
+(csrc/core/progress.h), with how many pool entries the round changed: the build stops once that
 falls below ``delta * N * pool_size`` (:class:`~torch_grnnd.BuildParams`), so the reports show
 it converging. ``progress`` arguments accept:
 

@@ -14,7 +14,7 @@ ValueError). Passing ``batch_size`` (the number of examples) spares it; a batch 
 is then trusted to be sorted (on the CPU it is checked all the same). Points of up to three
 coordinates in examples of a few hundred points or more are found through a uniform grid (the
 cells around each query, ring after ring, until no unvisited cell can hold a nearer point;
-``csrc/grid.h``): the same neighbours as the scan of every row, at one more host
+``csrc/pyg/grid.h``): the same neighbours as the scan of every row, at one more host
 synchronisation (the bounding box).
 
 Semantics, as torch_cluster's:

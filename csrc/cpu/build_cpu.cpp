@@ -1,7 +1,7 @@
 // GRNND graph build on the CPU: the twin of csrc/cuda/build_cuda.cu (seed 000, Algorithms 3-6).
 //
 // Per vertex, a warp on the GPU and a thread here do the same thing in the same order, drawing
-// the same random numbers (csrc/philox.h), so the two builds differ only through the timing of
+// the same random numbers (csrc/core/philox.h), so the two builds differ only through the timing of
 // concurrent inserts and float rounding.
 #include <algorithm>
 #include <atomic>
@@ -11,13 +11,13 @@
 
 #include <torch/library.h>
 
-#include "../build_schedule.h"
-#include "../checks.h"
-#include "../hubs.h"
-#include "../fill.h"
-#include "../philox.h"
-#include "../prune.h"
-#include "../reachability.h"
+#include "../build/build_schedule.h"
+#include "../core/checks.h"
+#include "../build/hubs.h"
+#include "../build/fill.h"
+#include "../core/philox.h"
+#include "../build/prune.h"
+#include "../build/reachability.h"
 #include "vectors_cpu.h"
 
 namespace grnnd {

@@ -1,10 +1,10 @@
 // The fill of built rows on the CPU: the twin of csrc/cuda/fill_cuda.cu, the recipe of
-// csrc/fill.h with one thread per row.
+// csrc/build/fill.h with one thread per row.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-#include "../fill.h"
+#include "../build/fill.h"
 #include "vectors_cpu.h"
 
 namespace grnnd {

@@ -2,7 +2,7 @@
 // csrc/cuda/gather_rows_cuda.cu, which also reads pinned host rows from a GPU.
 #include <torch/library.h>
 
-#include "../checks.h"
+#include "../core/checks.h"
 
 namespace grnnd {
 namespace cpu {

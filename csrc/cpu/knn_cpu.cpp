@@ -11,7 +11,7 @@
 
 #include <torch/library.h>
 
-#include "../checks.h"
+#include "../core/checks.h"
 #include "vectors_cpu.h"
 
 namespace grnnd {

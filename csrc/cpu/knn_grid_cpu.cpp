@@ -5,8 +5,8 @@
 
 #include <ATen/Parallel.h>
 
-#include "../grid.h"
-#include "../segments.h"
+#include "../pyg/grid.h"
+#include "../pyg/segments.h"
 
 namespace grnnd {
 namespace cpu {

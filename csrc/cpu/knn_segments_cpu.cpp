@@ -11,8 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "../checks.h"
-#include "../grid.h"
+#include "../core/checks.h"
+#include "../pyg/grid.h"
 
 namespace grnnd {
 namespace cpu {

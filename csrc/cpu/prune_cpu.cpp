@@ -1,4 +1,4 @@
-// prune_rows on the CPU: the twin of csrc/cuda/prune_cuda.cu, the recipe of csrc/prune.h with
+// prune_rows on the CPU: the twin of csrc/cuda/prune_cuda.cu, the recipe of csrc/build/prune.h with
 // one thread per row.
 #include <algorithm>
 #include <cmath>
@@ -8,8 +8,8 @@
 
 #include <torch/library.h>
 
-#include "../checks.h"
-#include "../prune.h"
+#include "../core/checks.h"
+#include "../build/prune.h"
 #include "vectors_cpu.h"
 
 namespace grnnd {

@@ -17,10 +17,10 @@
 
 #include <torch/library.h>
 
-#include "../checks.h"
-#include "../codes.h"
-#include "../hubs.h"
-#include "../philox.h"
+#include "../core/checks.h"
+#include "../core/codes.h"
+#include "../build/hubs.h"
+#include "../core/philox.h"
 #include "vectors_cpu.h"
 
 namespace grnnd {

@@ -6,7 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "../checks.h"
+#include "../core/checks.h"
 
 namespace grnnd {
 namespace cpu {

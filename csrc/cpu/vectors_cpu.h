@@ -11,7 +11,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include "../params.h"
+#include "../core/params.h"
 
 namespace grnnd {
 namespace cpu {
@@ -28,7 +28,7 @@ inline at::Tensor prepare_vectors(const at::Tensor& x, Metric metric) {
 
 // The rows the build, its repair and prune_rows compare: prepare_vectors' rows, except that
 // cosine rows of float16 or bfloat16 storage are rounded to that storage once normalised, as
-// the CUDA kernels keep them (csrc/cuda/vectors_cuda.cuh, prepare_vectors). Why: a build draws
+// the CUDA kernels keep them (csrc/cuda/detail/vectors_cuda.cuh, prepare_vectors). Why: a build draws
 // its start from the cells of each row's nearest hubs, and a row that lands in another cell
 // shifts the draws of every row drawing from that cell; with rows normalised in float32 here and
 // rounded on the GPU, 0.19 of 50 000 clustered float16 rows drew alike on the two devices (one

@@ -1,7 +1,7 @@
 // GRNND graph build on the GPU: the twin of csrc/cpu/build_cpu.cpp (seed 000, Algorithms 3-6).
 //
 // One warp per vertex (section 3.4) does what one CPU thread does in update_vertex, in the same
-// order and with the same random draws (csrc/philox.h), so the two builds differ only through
+// order and with the same random draws (csrc/core/philox.h), so the two builds differ only through
 // the timing of concurrent inserts and float rounding. The four GRNND components map to:
 //   1. disordered propagation  -> visit_order (update_order = random | ascending | descending |
 //                                 descending_then_random),
@@ -19,16 +19,16 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/library.h>
 
-#include "../build_schedule.h"
-#include "../checks.h"
-#include "../hubs.h"
-#include "../fill.h"
-#include "../philox.h"
-#include "../prune.h"
-#include "../reachability.h"
-#include "mma_cuda.cuh"
-#include "vectors_cuda.cuh"
-#include "warp_cuda.cuh"
+#include "../build/build_schedule.h"
+#include "../core/checks.h"
+#include "../build/hubs.h"
+#include "../build/fill.h"
+#include "../core/philox.h"
+#include "../build/prune.h"
+#include "../build/reachability.h"
+#include "detail/mma_cuda.cuh"
+#include "detail/vectors_cuda.cuh"
+#include "detail/warp_cuda.cuh"
 
 namespace grnnd {
 namespace cuda {

@@ -1,4 +1,4 @@
-// The fill of built rows on the GPU: the twin of csrc/cpu/fill_cpu.cpp, the recipe of csrc/fill.h
+// The fill of built rows on the GPU: the twin of csrc/cpu/fill_cpu.cpp, the recipe of csrc/build/fill.h
 // with one warp (a block of 32 threads) per row. A row's candidates sit in shared memory as sort
 // keys 2 x id + (0 if own, else 1): a bitonic sort by key puts the copies of an id side by side,
 // the own one first, and one pass keeps the first of each (as prune_rows dedupes); after the
@@ -7,11 +7,11 @@
 
 #include <torch/library.h>
 
-#include "../checks.h"
-#include "../fill.h"
-#include "sort_cuda.cuh"
-#include "vectors_cuda.cuh"
-#include "warp_cuda.cuh"
+#include "../core/checks.h"
+#include "../build/fill.h"
+#include "detail/sort_cuda.cuh"
+#include "detail/vectors_cuda.cuh"
+#include "detail/warp_cuda.cuh"
 
 namespace grnnd {
 namespace cuda {

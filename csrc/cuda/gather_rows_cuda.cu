@@ -5,9 +5,9 @@
 // gathers them first.
 #include <torch/library.h>
 
-#include "../checks.h"
-#include "vectors_cuda.cuh"
-#include "warp_cuda.cuh"
+#include "../core/checks.h"
+#include "detail/vectors_cuda.cuh"
+#include "detail/warp_cuda.cuh"
 
 namespace grnnd {
 namespace cuda {

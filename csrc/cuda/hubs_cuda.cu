@@ -25,9 +25,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
-#include "../hubs.h"
-#include "mma_cuda.cuh"
-#include "sort_cuda.cuh"
+#include "../build/hubs.h"
+#include "detail/mma_cuda.cuh"
+#include "detail/sort_cuda.cuh"
 
 namespace grnnd {
 namespace cuda {

@@ -28,9 +28,9 @@
 
 #include <torch/library.h>
 
-#include "../checks.h"
-#include "sort_cuda.cuh"
-#include "vectors_cuda.cuh"
+#include "../core/checks.h"
+#include "detail/sort_cuda.cuh"
+#include "detail/vectors_cuda.cuh"
 
 namespace grnnd {
 namespace cuda {

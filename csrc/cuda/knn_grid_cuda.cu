@@ -7,8 +7,8 @@
 
 #include <torch/library.h>
 
-#include "../grid.h"
-#include "vectors_cuda.cuh"
+#include "../pyg/grid.h"
+#include "detail/vectors_cuda.cuh"
 
 namespace grnnd {
 namespace cuda {

@@ -52,9 +52,9 @@
 
 #include <torch/library.h>
 
-#include "../checks.h"
-#include "../grid.h"
-#include "vectors_cuda.cuh"
+#include "../core/checks.h"
+#include "../pyg/grid.h"
+#include "detail/vectors_cuda.cuh"
 
 namespace grnnd {
 namespace cuda {

@@ -1,4 +1,4 @@
-// prune_rows on the GPU: the twin of csrc/cpu/prune_cpu.cpp, the recipe of csrc/prune.h with one
+// prune_rows on the GPU: the twin of csrc/cpu/prune_cpu.cpp, the recipe of csrc/build/prune.h with one
 // warp (a block of 32 threads) per row. The row's candidates and their distances to the vertex
 // sit in shared memory, where a bitonic network sorts them by (distance, key) (sort_cuda.cuh);
 // a key is 2 x id, plus 1 unless the candidate is fixed, so repeats are adjacent, the fixed copy
@@ -10,11 +10,11 @@
 
 #include <torch/library.h>
 
-#include "../checks.h"
-#include "../prune.h"
-#include "sort_cuda.cuh"
-#include "vectors_cuda.cuh"
-#include "warp_cuda.cuh"
+#include "../core/checks.h"
+#include "../build/prune.h"
+#include "detail/sort_cuda.cuh"
+#include "detail/vectors_cuda.cuh"
+#include "detail/warp_cuda.cuh"
 
 namespace grnnd {
 namespace cuda {

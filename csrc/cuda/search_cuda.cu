@@ -30,12 +30,12 @@
 
 #include <torch/library.h>
 
-#include "../checks.h"
-#include "../codes.h"
-#include "../hubs.h"
-#include "../philox.h"
-#include "sort_cuda.cuh"
-#include "vectors_cuda.cuh"
+#include "../core/checks.h"
+#include "../core/codes.h"
+#include "../build/hubs.h"
+#include "../core/philox.h"
+#include "detail/sort_cuda.cuh"
+#include "detail/vectors_cuda.cuh"
 
 namespace grnnd {
 namespace cuda {

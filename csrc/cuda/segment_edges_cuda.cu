@@ -6,8 +6,8 @@
 // composed from torch ops (mask, nonzero, index, stack, flip).
 #include <torch/library.h>
 
-#include "../checks.h"
-#include "warp_cuda.cuh"
+#include "../core/checks.h"
+#include "detail/warp_cuda.cuh"
 
 namespace grnnd {
 namespace cuda {

@@ -19,8 +19,8 @@
 
 #include <ATen/ATen.h>
 
-#include "params.h"
-#include "philox.h"
+#include "../core/params.h"
+#include "../core/philox.h"
 
 namespace grnnd {
 

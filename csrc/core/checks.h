@@ -7,7 +7,7 @@
 
 #include "codes.h"
 #include "params.h"
-#include "segments.h"
+#include "../pyg/segments.h"
 
 namespace grnnd {
 
@@ -51,7 +51,7 @@ void check_search_data_device(const at::Tensor& data, const at::Tensor& queries)
 void check_build_inputs(const at::Tensor& data);
 void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries, int64_t k,
                          const c10::optional<at::Tensor>& filter);
-// The codes a search traverses by (csrc/codes.h), or neither tensor: codes uint8
+// The codes a search traverses by (csrc/core/codes.h), or neither tensor: codes uint8
 // [n, code_row_bytes(dim, metric, kind)] and code_grid float32, [2, dim] for int8 (offsets,
 // steps) or [dim + C, dim] for int4 (rotation, C cell centres), on the queries' device; returned
 // contiguous and 16-byte aligned (copied where they are not).

@@ -2,7 +2,7 @@
 
 #include "codes.h"
 #include "params.h"
-#include "prune.h"
+#include "../build/prune.h"
 
 #include <algorithm>
 #include <cmath>

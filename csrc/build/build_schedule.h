@@ -22,16 +22,16 @@
 
 #include <ATen/ATen.h>
 
-#include "params.h"
-#include "philox.h"
-#include "progress.h"
+#include "../core/params.h"
+#include "../core/philox.h"
+#include "../core/progress.h"
 
 namespace grnnd {
 
 // A build may start from entries it is given (the op's `init`), as seed 003's merge (GGM) starts
 // from two built graphs: each vertex's pool first takes, as old ones, the init entries that the
 // rule keeps among themselves (walked nearest first, an entry goes when a kept one is closer to
-// it than the vertex is: a built row's fill entries, csrc/fill.h, mostly go). Pairs of two old
+// it than the vertex is: a built row's fill entries, csrc/build/fill.h, mostly go). Pairs of two old
 // entries are never compared, so the rounds spend their distances on what is new, its S draws.
 // Entries outside [0, N), the vertex itself and repeats are dropped.
 // Only the first pool_size - S columns are used, so the draws always find room. Returns int32

@@ -14,7 +14,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "../params.h"
+#include "../../core/params.h"
 
 namespace grnnd {
 namespace cuda {

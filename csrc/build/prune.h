@@ -53,7 +53,7 @@
 
 #include <ATen/ATen.h>
 
-#include "params.h"
+#include "../core/params.h"
 
 namespace grnnd {
 

@@ -2,8 +2,8 @@
 // (build + search, or knn when exact) through the dispatcher.
 #include <torch/library.h>
 
-#include "checks.h"
-#include "search_op.h"
+#include "../core/checks.h"
+#include "../core/search_op.h"
 
 namespace grnnd {
 namespace {

@@ -29,7 +29,7 @@
 
 #include <ATen/ATen.h>
 
-#include "params.h"
+#include "../core/params.h"
 
 namespace grnnd {
 

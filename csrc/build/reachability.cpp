@@ -6,10 +6,10 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
-#include "checks.h"
+#include "../core/checks.h"
 #include "hubs.h"
 #include "prune.h"
-#include "search_op.h"
+#include "../core/search_op.h"
 
 namespace grnnd {
 namespace {
