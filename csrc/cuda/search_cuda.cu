@@ -1160,6 +1160,94 @@ at::Tensor rotate_queries(const at::Tensor& q, const at::Tensor& grid, Metric me
   return out;
 }
 
+// How a call's searches are laid out, from the shapes and settings alone: the SearchArgs sizes
+// (searches a query, lists, caps, the loop, the visited hash; the code rows' pointers), the block
+// size, the shared memory and the lanes a row takes. run_search adds the pointers of the tensors
+// it makes.
+struct SearchPlan {
+  SearchArgs a{};
+  int threads = 0;
+  size_t smem = 0;
+  int team = 0;
+};
+
+SearchPlan plan_search(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries, bool filtered,
+                       const SearchCodes& codes, const SearchParams& p, int64_t row_bytes) {
+  const int64_t n = data.size(0), nq = queries.size(0), degree = graph.size(1);
+  TORCH_CHECK_VALUE(nq <= std::numeric_limits<int32_t>::max(), "queries: expected fewer than 2^31 rows, got ", nq);
+  int device = queries.device().index(), optin = 0, sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int width = resolve_search_width(p.search_width, /*on_gpu=*/true, degree);
+  TORCH_CHECK_VALUE(width <= kMaxSearchWidth, "search_width: expected <= ", kMaxSearchWidth);
+  const int64_t per_round = static_cast<int64_t>(width) * degree;
+  TORCH_CHECK_VALUE(per_round <= (1 << 16), "search_width * graph degree: the CUDA search expands at most 65536 ",
+                    "neighbours per iteration, got ", width, " * ", degree);
+
+  SearchPlan plan;
+  SearchArgs& a = plan.a;
+  if (codes.codes.defined()) {
+    a.codes = codes.codes.data_ptr<uint8_t>();
+    a.code_grid = codes.grid.data_ptr<float>();
+    a.code_stride = codes.codes.size(1);
+    a.code_dims = static_cast<int>(code_dims(data.size(1), codes.kind));
+    a.code_bytes = static_cast<int>(code_bytes(data.size(1), codes.kind));
+    a.code_cells = codes.kind == CodeKind::kInt4 ? static_cast<int>(codes.grid.size(0) - data.size(1)) : 0;
+  }
+  a.seed = p.seed;
+  a.metric = p.metric;
+  a.n = static_cast<int>(n);
+  a.dim = static_cast<int>(data.size(1));
+  a.degree = static_cast<int>(degree);
+  a.k = p.k;
+  a.searches = p.searches > 0 ? p.searches : searches_for_batch(nq, sms, p.k, p.list_size);
+  TORCH_CHECK_VALUE(nq * a.searches <= std::numeric_limits<int32_t>::max(), "queries * searches: expected fewer ",
+                    "than 2^31 searches per call, got ", nq, " * ", a.searches);
+  a.list_size = list_per_search(p.list_size, p.k, a.searches);
+  a.list_cap = next_pow2(a.list_size);
+  // With codes a filtered search keeps as many allowed entries as the list for the re-rank.
+  a.kept = a.codes != nullptr ? std::max(p.k, a.list_size) : p.k;
+  a.result_cap = filtered ? next_pow2(a.kept) : 0;
+  a.cand_cap = std::max(a.list_cap, next_pow2(static_cast<int>(per_round)));
+  a.search_width = width;
+  a.max_iters = p.max_iters;
+  // Rounds wider than two slots a lane take the warp loop only when the blocks are many. With few
+  // blocks per SM, warp 0's serial expansion, sort and merge are the chain a search waits on, and
+  // the block loop (every thread expanding and loading rows, only the candidates that can enter
+  // the list sorted) is faster. Search kernel time on one H200 (1M x 384 normalised clustered
+  // float16 rows, int4 codes, list 32; one-off runs with the choices forced, script not kept;
+  // benchmarks/README.md has the committed before/after): a batch of 1 (32 blocks of 512
+  // threads) 159 us in the warp loop against 131 us in the block loop, before that loop sorted
+  // only the entering candidates; with it, a batch of 10 (320 blocks of 256) 218 against 120 us,
+  // while a batch of 1 000 (1 000 blocks) took 304 us in the warp loop (128 threads) against
+  // 402 us in the block loop (256).
+  const int64_t blocks = nq * a.searches;
+  const bool warp_fits = !filtered && a.list_cap <= kMaxWarpRows * kWarpSize &&
+                         per_round <= kMaxWarpCandRows * kWarpSize &&
+                         (per_round <= kAnyBatchCandRows * kWarpSize || blocks >= kLatencyBoundBlocksPerSm * sms);
+  // Two rows at least: a one-row variant spilled registers (ptxas, sm_90) and would add a kernel
+  // per storage type and team for lists of at most 32.
+  a.warp_rows = warp_fits ? std::max(2, a.list_cap / kWarpSize) : 0;  // list_cap is a power of two
+  a.entries = static_cast<int>(std::min<int64_t>(a.list_size, n));
+
+  // Visited hash: must hold list + results + one round at load <= 1/2 (the no-duplicate
+  // argument at the top); 4x that, at least 2048 slots, so resets (which forget visited nodes
+  // and cost recomputed distances) stay rare. Falls back to the 2x minimum if shared memory is short.
+  const size_t limit = static_cast<size_t>(optin) - kStaticShared;
+  const int64_t must_hold = static_cast<int64_t>(a.list_size) + (filtered ? a.kept : 0) + per_round;
+  a.hash_bits = log2_of(std::max<int64_t>(4 * must_hold, 2048));
+  if (shared_bytes(a, a.hash_bits) > limit) a.hash_bits = log2_of(2 * must_hold);
+  plan.smem = shared_bytes(a, a.hash_bits);
+  TORCH_CHECK_VALUE(plan.smem <= limit, "search: list_size ", a.list_size, ", search_width ", width,
+                    " and graph degree ", degree, " need ", plan.smem, " bytes of shared memory per query on the GPU, ",
+                    "which has ", limit, "; lower list_size or search_width");
+
+  plan.threads = pick_threads(blocks, sms, a.list_cap);
+  // The team fits the rows the traversal reads: the codes where there are codes.
+  plan.team = a.codes != nullptr ? code_team(a.code_bytes) : team_for_row(row_bytes);
+  return plan;
+}
+
 // Runs the search of every query (checked, parsed arguments); with `counts` defined, also adds
 // up the distances each query computed there.
 std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::Tensor& graph,
@@ -1184,82 +1272,19 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   const at::Tensor allowed = filter.has_value() ? filter->contiguous() : at::Tensor();
   const QueryCheck query_check(queries, stream);
 
-  const int64_t n = data.size(0), nq = queries.size(0), degree = graph.size(1);
-  TORCH_CHECK_VALUE(nq <= std::numeric_limits<int32_t>::max(), "queries: expected fewer than 2^31 rows, got ", nq);
-  int device = queries.device().index(), optin = 0, sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int width = resolve_search_width(p.search_width, /*on_gpu=*/true, degree);
-  TORCH_CHECK_VALUE(width <= kMaxSearchWidth, "search_width: expected <= ", kMaxSearchWidth);
-  const int64_t per_round = static_cast<int64_t>(width) * degree;
-  TORCH_CHECK_VALUE(per_round <= (1 << 16), "search_width * graph degree: the CUDA search expands at most 65536 ",
-                    "neighbours per iteration, got ", width, " * ", degree);
-
-  SearchArgs a{};
+  SearchPlan plan = plan_search(data, graph, queries, filter.has_value(), codes, p,
+                                x.size(1) * static_cast<int64_t>(x.element_size()));
+  SearchArgs& a = plan.a;
+  const int64_t n = data.size(0), nq = queries.size(0);
   a.graph = g.data_ptr<int32_t>();
-  if (codes.codes.defined()) {
-    a.codes = codes.codes.data_ptr<uint8_t>();
-    a.code_grid = codes.grid.data_ptr<float>();
-    a.code_stride = codes.codes.size(1);
-    a.code_dims = static_cast<int>(code_dims(data.size(1), codes.kind));
-    a.code_bytes = static_cast<int>(code_bytes(data.size(1), codes.kind));
-    a.code_cells = codes.kind == CodeKind::kInt4 ? static_cast<int>(codes.grid.size(0) - data.size(1)) : 0;
-  }
   a.counts = counts.defined() ? counts.data_ptr<int32_t>() : nullptr;
   a.allowed = filter.has_value() ? allowed.data_ptr<bool>() : nullptr;
-  a.seed = p.seed;
-  a.metric = p.metric;
-  a.n = static_cast<int>(n);
-  a.dim = static_cast<int>(data.size(1));
-  a.degree = static_cast<int>(degree);
-  a.k = p.k;
-  a.searches = p.searches > 0 ? p.searches : searches_for_batch(nq, sms, p.k, p.list_size);
-  TORCH_CHECK_VALUE(nq * a.searches <= std::numeric_limits<int32_t>::max(), "queries * searches: expected fewer ",
-                    "than 2^31 searches per call, got ", nq, " * ", a.searches);
-  a.list_size = list_per_search(p.list_size, p.k, a.searches);
-  a.list_cap = next_pow2(a.list_size);
-  // With codes a filtered search keeps as many allowed entries as the list for the re-rank.
-  a.kept = a.codes != nullptr ? std::max(p.k, a.list_size) : p.k;
-  a.result_cap = filter.has_value() ? next_pow2(a.kept) : 0;
-  a.cand_cap = std::max(a.list_cap, next_pow2(static_cast<int>(per_round)));
-  a.search_width = width;
-  a.max_iters = p.max_iters;
-  // Rounds wider than two slots a lane take the warp loop only when the blocks are many. With few
-  // blocks per SM, warp 0's serial expansion, sort and merge are the chain a search waits on, and
-  // the block loop (every thread expanding and loading rows, only the candidates that can enter
-  // the list sorted) is faster. Search kernel time on one H200 (1M x 384 normalised clustered
-  // float16 rows, int4 codes, list 32; one-off runs with the choices forced, script not kept;
-  // benchmarks/README.md has the committed before/after): a batch of 1 (32 blocks of 512
-  // threads) 159 us in the warp loop against 131 us in the block loop, before that loop sorted
-  // only the entering candidates; with it, a batch of 10 (320 blocks of 256) 218 against 120 us,
-  // while a batch of 1 000 (1 000 blocks) took 304 us in the warp loop (128 threads) against
-  // 402 us in the block loop (256).
-  const int64_t blocks = nq * a.searches;
-  const bool warp_fits = !filter.has_value() && a.list_cap <= kMaxWarpRows * kWarpSize &&
-                         per_round <= kMaxWarpCandRows * kWarpSize &&
-                         (per_round <= kAnyBatchCandRows * kWarpSize || blocks >= kLatencyBoundBlocksPerSm * sms);
-  // Two rows at least: a one-row variant spilled registers (ptxas, sm_90) and would add a kernel
-  // per storage type and team for lists of at most 32.
-  a.warp_rows = warp_fits ? std::max(2, a.list_cap / kWarpSize) : 0;  // list_cap is a power of two
-  a.entries = static_cast<int>(std::min<int64_t>(a.list_size, n));
   // Cosine rows are not normalised here (team_cosine divides by their norms).
   const int per_search = hub_entries_for_list(p.hub_entries, a.entries);
   const at::Tensor hub_table = hub_entries(x, q, p.metric, /*x_normalised=*/false, per_search * a.searches);
   a.hubs = hub_entries_view(hub_table, per_search, a.searches);
   // The hub distances of the entry points count too (one matrix product row per query).
   if (counts.defined() && a.hubs.columns > 0) counts.add_(static_cast<int32_t>(hub_count(n)));
-
-  // Visited hash: must hold list + results + one round at load <= 1/2 (the no-duplicate
-  // argument at the top); 4x that, at least 2048 slots, so resets (which forget visited nodes
-  // and cost recomputed distances) stay rare. Falls back to the 2x minimum if shared memory is short.
-  const size_t limit = static_cast<size_t>(optin) - kStaticShared;
-  const int64_t must_hold = static_cast<int64_t>(a.list_size) + (filter.has_value() ? a.kept : 0) + per_round;
-  a.hash_bits = log2_of(std::max<int64_t>(4 * must_hold, 2048));
-  if (shared_bytes(a, a.hash_bits) > limit) a.hash_bits = log2_of(2 * must_hold);
-  const size_t smem = shared_bytes(a, a.hash_bits);
-  TORCH_CHECK_VALUE(smem <= limit, "search: list_size ", a.list_size, ", search_width ", width,
-                    " and graph degree ", degree, " need ", smem, " bytes of shared memory per query on the GPU, ",
-                    "which has ", limit, "; lower list_size or search_width");
 
   at::Tensor out_dists = at::empty({nq, p.k}, queries.options().dtype(at::kFloat));
   at::Tensor out_ids = at::empty({nq, p.k}, queries.options().dtype(at::kLong));
@@ -1270,13 +1295,9 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& data, const at::
   a.out_dists = part_dists.data_ptr<float>();
   a.out_ids = part_ids.data_ptr<int64_t>();
 
-  const int threads = pick_threads(blocks, sms, a.list_cap);
+  const int threads = plan.threads, team = plan.team;
+  const size_t smem = plan.smem;
   at::Tensor rotated;  // int4: the rotated queries and their cell dots
-  // The team fits the rows the traversal reads: the codes where there are codes.
-  const int team = a.codes != nullptr ? code_team(a.code_bytes)
-                                                          : team_for_row(a.codes != nullptr ? a.code_bytes
-                                                                                            : static_cast<int64_t>(a.dim) *
-                                                                                                  x.element_size());
   GRNND_DISPATCH_STORAGE(x.scalar_type(), "search_cuda", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "search_cuda: float64 storage should have been narrowed by prepare_vectors");
