@@ -230,6 +230,9 @@ def codes(g: torch.Generator):
         # 560 blocks, at least four per SM: wide rounds (six slots a lane) in the warp loop
         grnnd.search(data, graph, data[:70], 10, list_size=32, search_width=4, searches=8, metric=metric,
                      codes=coded)
+        # A long list at a batch of more than 8 blocks an SM: six parents (params.h, resolve_search_width),
+        # the block loop with 128 threads a block (pick_threads)
+        grnnd.search(data, graph, data.repeat(2, 1)[:2200], 10, list_size=192, metric=metric, codes=coded)
         allowed = torch.rand(2000, generator=g, device="cuda") < 0.3
         grnnd.search(data, graph, data[:2], 10, list_size=256, metric=metric, filter=allowed, codes=coded, searches=1)
         grnnd.search(data, graph, data[:1], 10, list_size=64, searches=8, metric=metric, codes=coded)

@@ -308,8 +308,9 @@ def test_small_batches_are_split_automatically(points, graph_for):
 
 
 def test_gpu_searches_expand_four_parents_by_default(points, graph_for):
-    """search_width=0 (the default) is 4 on the GPU at every batch size (params.h,
-    resolve_search_width): the same results as width 4 given, and more found than with width 1."""
+    """search_width=0 (the default) is 4 on the GPU at every batch size for lists up to 128
+    (params.h, resolve_search_width): the same results as width 4 given, and more found than with
+    width 1."""
     data, graph = points[0].cuda(), graph_for("l2").cuda()
     queries = points[1].cuda()
     sms = torch.cuda.get_device_properties(queries.device).multi_processor_count
@@ -326,6 +327,27 @@ def test_gpu_searches_expand_four_parents_by_default(points, graph_for):
         narrow = torch.cat([grnnd.search(data, graph, q, K, list_size=32, search_width=1)[1]
                             for q in queries.split(batch)])
         assert grnnd.recall(wide, truth) >= grnnd.recall(narrow, truth), batch
+
+
+@pytest.mark.parametrize("degree, wide", [(32, 6), (48, 6), (96, 5)])
+def test_long_lists_expand_six_parents_by_default(points, graph_for, degree, wide):
+    """A list longer than 128 (per search) takes 6 parents an iteration, fewer where 6 rounds of
+    the degree would pass 512 candidates (params.h, resolve_search_width): the same results and
+    distances as that width given, at a large batch and a small one; a list of 128 keeps 4."""
+    data, graph = points[0].cuda(), graph_for("l2", degree).cuda()
+    queries = points[1].cuda()
+    sms = torch.cuda.get_device_properties(queries.device).multi_processor_count
+    for batch in (3, 8 * sms + 1):
+        q = torch.cat([queries] * (batch // NQ + 1))[:batch]
+        for list_size, width in ((128, 4 if degree <= 64 else 2), (129, wide), (256, wide)):
+            searches = 1 if batch > 3 else 4  # a small batch is split; each search then keeps the list
+            auto = grnnd.search(data, graph, q, K, list_size=list_size, searches=searches)
+            given = grnnd.search(data, graph, q, K, list_size=list_size, searches=searches, search_width=width)
+            assert torch.equal(auto[1], given[1]) and torch.equal(auto[0], given[0]), (batch, list_size)
+            assert torch.equal(
+                grnnd.search_distance_counts(data, graph, q, K, list_size=list_size, searches=searches),
+                grnnd.search_distance_counts(data, graph, q, K, list_size=list_size, searches=searches,
+                                             search_width=width)), (batch, list_size)
 
 
 def test_small_batches_split_more_the_longer_the_list(points, graph_for):

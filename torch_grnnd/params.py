@@ -144,10 +144,11 @@ class SearchParams(_Settings):
         list_size: internal candidate list (CAGRA's itopk, HNSW's ef); 0 means max(k, 64); at
             most 1024. Longer lists raise recall and cost speed.
         search_width: parents expanded per iteration; 0 (the default) lets the backend choose:
-            4 on a GPU (2 for graphs of degree 65-128, 1 above), where wider iterations shorten
-            each query's chain of dependent steps for a few more distances and won at equal
-            recall at every batch size measured; 1 on the CPU, where each core already runs one
-            query at full speed.
+            on a GPU 4 (2 for graphs of degree 65-128, 1 above), and 6 for lists longer than 128
+            per search (5 for degree 86-102, fewer above: rounds of at most 512 candidates),
+            where wider iterations shorten each query's chain of dependent steps for a few more
+            distances and won at equal recall at every batch size measured; 1 on the CPU, where
+            each core already runs one query at full speed.
         max_iters: iteration cap; 0 means until no unexpanded parent is left.
         searches: independent searches per query; 0 lets the backend choose; at most 32, and
             ``searches * k <= 4096``.

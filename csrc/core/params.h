@@ -110,7 +110,7 @@ SearchParams make_search_params(int64_t k, int64_t list_size, int64_t search_wid
 
 // Parents a search expands per iteration when its search_width is 0 (automatic): on a GPU 4, or
 // fewer where a round of width x degree candidates would outgrow kGpuWidestWarpRound, the widest
-// round the CUDA search's fastest loop takes (graphs of degree above 64); 1 on the CPU. A query's
+// round the CUDA search's warp loop takes (graphs of degree above 64); 1 on the CPU. A query's
 // iterations are a chain of dependent memory round trips; wider iterations shorten the chain for
 // a few more distances (about 250-400 more a query at batch 10 000). On a GPU the shorter chain
 // won at every batch measured, at equal recall. On the H200 (1M x 384 real embeddings): a batch of
@@ -123,12 +123,28 @@ SearchParams make_search_params(int64_t k, int64_t list_size, int64_t search_wid
 // 5% slower at equal recall (benchmarks/README.md, "Width 4 at every GPU batch; searches by the
 // list size"). Degrees above 64 were not measured. The CPU runs one query per core at full speed
 // already, so the extra distances would only cost.
+//
+// A search whose list (per search, list_per_search) is longer than kGpuLongList expands
+// kGpuLongListWidth parents, within kGpuWidestLongRound candidates a round: past the warp loop,
+// so the block loop takes it, with at least 128 threads a block (pick_threads in search_cuda.cu).
+// The chain of a long list is long, and the block loop spreads a wide round over all its threads.
+// On the H200 (1M x 384 real embeddings, batch 10 000, degree 48, median of 3 timings of 3
+// searches, spread under 2%; benchmarks/README.md, "Wider rounds for long lists"): int4 codes at
+// lists 192 / 256 / 320 / 384 ran at 1.06M / 901K / 688K / 579K q/s with 6 parents against 895K /
+// 693K / 604K / 538K with 4, at the same or higher recall; the rows at 515K / 435K / 340K / 283K
+// against 528K / 401K / 304K / 276K. At list 128 and below the warp loop with 4 parents was as
+// fast or faster.
 constexpr int64_t kGpuWidestWarpRound = 256;
-inline int resolve_search_width(int search_width, bool on_gpu, int64_t degree) {
+constexpr int64_t kGpuLongList = 128;
+constexpr int64_t kGpuLongListWidth = 6;
+constexpr int64_t kGpuWidestLongRound = 512;
+inline int resolve_search_width(int search_width, bool on_gpu, int64_t degree, int64_t list_size) {
   if (search_width > 0) return search_width;
   if (!on_gpu) return 1;
-  const int64_t fits = kGpuWidestWarpRound / (degree > 0 ? degree : 1);
-  return static_cast<int>(fits < 1 ? 1 : fits > 4 ? 4 : fits);
+  const bool long_list = list_size > kGpuLongList;
+  const int64_t fits = (long_list ? kGpuWidestLongRound : kGpuWidestWarpRound) / (degree > 0 ? degree : 1);
+  const int64_t wanted = long_list ? kGpuLongListWidth : 4;
+  return static_cast<int>(fits < 1 ? 1 : fits > wanted ? wanted : fits);
 }
 
 // Entry points of a search with a list of `list` entries that come from hubs: hub_entries, or

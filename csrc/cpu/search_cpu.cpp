@@ -368,7 +368,7 @@ std::tuple<at::Tensor, at::Tensor> search_cpu(const at::Tensor& data, const at::
   check_search_inputs(data, graph, queries, k, filter);
   SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches, hub_entries);
-  p.search_width = resolve_search_width(p.search_width, /*on_gpu=*/false, graph.size(1));
+  p.search_width = resolve_search_width(p.search_width, /*on_gpu=*/false, graph.size(1), p.list_size);
   const SearchCodes search_codes = check_search_codes(codes, code_grid, data, queries, p.metric);
   check_search_contents(data, graph, queries);
   at::Tensor out_dists =
@@ -388,7 +388,7 @@ at::Tensor search_distance_counts_cpu(const at::Tensor& data, const at::Tensor& 
   check_search_inputs(data, graph, queries, k, filter);
   SearchParams p =
       make_search_params(k, list_size, search_width, max_iters, std::string(metric), seed, searches, hub_entries);
-  p.search_width = resolve_search_width(p.search_width, /*on_gpu=*/false, graph.size(1));
+  p.search_width = resolve_search_width(p.search_width, /*on_gpu=*/false, graph.size(1), p.list_size);
   const SearchCodes search_codes = check_search_codes(codes, code_grid, data, queries, p.metric);
   check_search_contents(data, graph, queries);
   at::Tensor counts = at::zeros({queries.size(0)}, queries.options().dtype(at::kInt));

@@ -843,13 +843,18 @@ __global__ void __launch_bounds__(kWarpSize)
 // 0.65 ms with 256. Later, with int4 codes at list 32 (search kernel time, a one-off run), a
 // batch of 1 took 98 us with 256 threads and 92 us with 512, a batch of 100 121 and 111 us. Long
 // lists keep enough threads for the merge network's M/2 compare-exchanges per stage.
-int pick_threads(int64_t blocks, int sms, int list_cap) {
+int pick_threads(int64_t blocks, int sms, int list_cap, int64_t per_round) {
   const int for_batch = blocks >= 8 * sms                          ? 64
                         : blocks >= kLatencyBoundBlocksPerSm * sms ? 128
                         : blocks >= sms                            ? 256
                                                                    : 512;
   const int for_list = list_cap <= 256 ? 64 : list_cap <= 512 ? 256 : 512;
-  return std::max(for_batch, for_list);
+  // A round wider than the warp loop's goes to the block loop, where every thread expands and
+  // loads candidates: 64 threads made a 288-candidate round (6 parents of degree 48) at list 256
+  // run at 673K q/s by int4 codes against 901K with 128 and 888K with 256 (params.h,
+  // resolve_search_width, has the run).
+  const int for_round = per_round > kGpuWidestWarpRound ? 128 : 64;
+  return std::max({for_batch, for_list, for_round});
 }
 
 // Independent searches per query when the caller leaves it to us: none for a batch of more than
@@ -1178,12 +1183,6 @@ SearchPlan plan_search(const at::Tensor& data, const at::Tensor& graph, const at
   int device = queries.device().index(), optin = 0, sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int width = resolve_search_width(p.search_width, /*on_gpu=*/true, degree);
-  TORCH_CHECK_VALUE(width <= kMaxSearchWidth, "search_width: expected <= ", kMaxSearchWidth);
-  const int64_t per_round = static_cast<int64_t>(width) * degree;
-  TORCH_CHECK_VALUE(per_round <= (1 << 16), "search_width * graph degree: the CUDA search expands at most 65536 ",
-                    "neighbours per iteration, got ", width, " * ", degree);
-
   SearchPlan plan;
   SearchArgs& a = plan.a;
   if (codes.codes.defined()) {
@@ -1205,6 +1204,11 @@ SearchPlan plan_search(const at::Tensor& data, const at::Tensor& graph, const at
                     "than 2^31 searches per call, got ", nq, " * ", a.searches);
   a.list_size = list_per_search(p.list_size, p.k, a.searches);
   a.list_cap = next_pow2(a.list_size);
+  const int width = resolve_search_width(p.search_width, /*on_gpu=*/true, degree, a.list_size);
+  TORCH_CHECK_VALUE(width <= kMaxSearchWidth, "search_width: expected <= ", kMaxSearchWidth);
+  const int64_t per_round = static_cast<int64_t>(width) * degree;
+  TORCH_CHECK_VALUE(per_round <= (1 << 16), "search_width * graph degree: the CUDA search expands at most 65536 ",
+                    "neighbours per iteration, got ", width, " * ", degree);
   // With codes a filtered search keeps as many allowed entries as the list for the re-rank.
   a.kept = a.codes != nullptr ? std::max(p.k, a.list_size) : p.k;
   a.result_cap = filtered ? next_pow2(a.kept) : 0;
@@ -1242,7 +1246,7 @@ SearchPlan plan_search(const at::Tensor& data, const at::Tensor& graph, const at
                     " and graph degree ", degree, " need ", plan.smem, " bytes of shared memory per query on the GPU, ",
                     "which has ", limit, "; lower list_size or search_width");
 
-  plan.threads = pick_threads(blocks, sms, a.list_cap);
+  plan.threads = pick_threads(blocks, sms, a.list_cap, per_round);
   // The team fits the rows the traversal reads: the codes where there are codes.
   plan.team = a.codes != nullptr ? code_team(a.code_bytes) : team_for_row(row_bytes);
   return plan;
