@@ -164,3 +164,16 @@ def test_the_concurrency_benchmark_finds_no_mixed_state_on_the_cpu(tmp_path):
     run = json.load(open(tmp_path / "concurrency_clustered-8k-d16-c20_cpu.json"))
     assert run["errors"] == 0 and run["inconsistent"] == 0 and run["searches_during_edits"] > 0
     assert run["recall"] >= 0.9 and run["alone_qps"] > 0 and run["shared_qps"] > 0
+
+
+def test_the_concurrency_benchmark_with_a_writer_that_only_adds(tmp_path):
+    # --writer adds: the index starts without the rows the adds bring, and every edit is an add.
+    import subprocess
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_concurrency", "--device", "cpu", "--data",
+                           "clustered:n=8000,d=16,clusters=20,queries=300", "--edits", "5", "--seconds", "1",
+                           "--writer", "adds", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = json.load(open(tmp_path / "concurrency_clustered-8k-d16-c20_cpu_adds.json"))
+    assert run["writer"] == "adds" and list(run["median_ms"]) == ["add"]
+    assert run["errors"] == 0 and run["inconsistent"] == 0 and run["recall"] >= 0.9
