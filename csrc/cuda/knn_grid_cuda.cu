@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "../pyg/grid.h"
+#include "detail/top_k_cuda.cuh"
 #include "detail/vectors_cuda.cuh"
 
 namespace grnnd {
@@ -15,45 +16,6 @@ namespace cuda {
 namespace {
 
 constexpr int kGridQueries = 128;  // threads per block
-
-// (distance, row) order. An empty slot is (+inf, -1): every finite distance goes before it, and
-// an infinite one never does, as in the scan, which only keeps what is nearer than its k-th.
-__device__ __forceinline__ bool key_before(float da, int32_t ia, float db, int32_t ib) {
-  return da < db || (da == db && ia < ib);
-}
-
-// The best K (distance, row) pairs, ascending by (distance, row), in registers.
-template <int K>
-struct KeyedBest {
-  float d[K];
-  int32_t i[K];
-
-  __device__ void init() {
-#pragma unroll
-    for (int j = 0; j < K; ++j) {
-      d[j] = std::numeric_limits<float>::infinity();
-      i[j] = -1;
-    }
-  }
-
-  __device__ __forceinline__ void insert(float dist, int32_t row) {
-    if (!key_before(dist, row, d[K - 1], i[K - 1])) return;
-#pragma unroll
-    for (int j = K - 1; j > 0; --j) {
-      if (key_before(dist, row, d[j - 1], i[j - 1])) {
-        d[j] = d[j - 1];
-        i[j] = i[j - 1];
-      } else if (key_before(dist, row, d[j], i[j])) {
-        d[j] = dist;
-        i[j] = row;
-      }
-    }
-    if (key_before(dist, row, d[0], i[0])) {
-      d[0] = dist;
-      i[0] = row;
-    }
-  }
-};
 
 struct GridQueries {
   GridView grid;
@@ -81,7 +43,7 @@ __global__ void __launch_bounds__(kGridQueries) knn_grid_kernel(GridQueries a) {
     corner[j] = q[j];
     c[j] = g.cell_of(j, q[j]);
   }
-  KeyedBest<K> best;
+  RegisterTopK<K, /*ROW_TIES=*/true> best;  // (distance, row) order: independent of the cells' order
   best.init();
   const auto visit = [&](int64_t first, int64_t last) {
     for (int64_t s = first; s < last; ++s) {
@@ -93,17 +55,11 @@ __global__ void __launch_bounds__(kGridQueries) knn_grid_kernel(GridQueries a) {
   };
   for (int64_t r = 0;; ++r) {
     g.ring(example, c, r, visit);
-    if (g.covers(c, r) || best.d[K - 1] < g.outside_bound(corner, c, r)) break;
+    if (g.covers(c, r) || best.worst() < g.outside_bound(corner, c, r)) break;
   }
   float* out_d = a.out_d + i * a.k;
   int64_t* out_i = a.out_i + i * a.k;
-#pragma unroll
-  for (int j = 0; j < K; ++j) {
-    if (j < a.k) {
-      out_d[j] = best.d[j];
-      out_i[j] = best.i[j];
-    }
-  }
+  best.store(out_d, out_i, a.k);
 }
 
 }  // namespace

@@ -54,6 +54,7 @@
 
 #include "../core/checks.h"
 #include "../pyg/grid.h"
+#include "detail/top_k_cuda.cuh"
 #include "detail/vectors_cuda.cuh"
 
 namespace grnnd {
@@ -67,52 +68,9 @@ constexpr int kWideChunk = 64;  // dimensions per pass of the widest variant
 constexpr int kMaxRegisterK = 32;
 constexpr int kQueue = 16;  // queued candidates per query; flushed before a row group can overflow it
 
-// The best K (distance, row) pairs seen so far, ascending, in registers.
+// The best K in registers, equal distances in the order rows are scanned (top_k_cuda.cuh).
 template <int K>
-struct RegisterBest {
-  float d[K];
-  int32_t i[K];
-
-  __device__ void init() {
-#pragma unroll
-    for (int j = 0; j < K; ++j) {
-      d[j] = std::numeric_limits<float>::infinity();
-      i[j] = -1;
-    }
-  }
-
-  __device__ __forceinline__ float worst() const { return d[K - 1]; }
-
-  // Entries farther than `dist` move up one slot; the candidate takes the slot above the last
-  // entry at most as far (so after equal distances). The farthest entry falls off the end.
-  __device__ __forceinline__ void insert(float dist, int32_t row) {
-    if (!(dist < d[K - 1])) return;
-#pragma unroll
-    for (int j = K - 1; j > 0; --j) {
-      if (d[j - 1] > dist) {
-        d[j] = d[j - 1];
-        i[j] = i[j - 1];
-      } else if (d[j] > dist) {
-        d[j] = dist;
-        i[j] = row;
-      }
-    }
-    if (d[0] > dist) {
-      d[0] = dist;
-      i[0] = row;
-    }
-  }
-
-  __device__ void store(float* out_d, int64_t* out_i, int k) const {
-#pragma unroll
-    for (int j = 0; j < K; ++j) {
-      if (j < k) {
-        out_d[j] = d[j];
-        out_i[j] = i[j];
-      }
-    }
-  }
-};
+using RegisterBest = RegisterTopK<K, /*ROW_TIES=*/false>;
 
 // The best k kept in the output row itself (initialised to +inf / -1), for k > kMaxRegisterK.
 struct RowBest {
