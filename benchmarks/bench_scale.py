@@ -47,31 +47,12 @@ import torch
 
 import torch_grnnd as grnnd
 from benchmarks.common import cuda_time, parse_settings
-from benchmarks.datasets import make_rare_queries, make_set, parse_sets
+from benchmarks.datasets import by_cluster_size, make_rare_queries, make_set, parse_sets, sizes_text
 from benchmarks.report import machine, machine_line
 from torch_grnnd.params import BuildParams
 
 LISTS = (32, 64, 128)  # list sizes measured by default; 64 is the one the PNG and the issue compare
 
-
-# Cluster sizes the queries are grouped by (by_cluster_size).
-SIZE_EDGES = (0, 1_000, 10_000, 100_000, 1_000_000, float("inf"))
-
-
-def by_cluster_size(ids, truth, base_labels, query_labels) -> list:
-    """Recall@10 of the queries grouped by the size of their own cluster, with the share of the
-    returned rows that lie in that cluster: a search lost between clusters returns rows of other
-    clusters, one that reached the right cluster but not its nearest rows returns its own."""
-    sizes = torch.bincount(base_labels, minlength=int(query_labels.max()) + 1)[query_labels]
-    hits = (ids[:, :10, None] == truth[:, None, :10]).any(2).float().mean(1)
-    own = ((base_labels[ids.clamp_min(0)] == query_labels[:, None]) & (ids >= 0)).float().mean(1)
-    groups = []
-    for low, high in zip(SIZE_EDGES, SIZE_EDGES[1:]):
-        member = (sizes >= low) & (sizes < high)
-        if member.any():
-            groups.append({"sizes": [low, None if high == float("inf") else high], "queries": int(member.sum()),
-                           "recall": float(hits[member].mean()), "in_own_cluster": float(own[member].mean())})
-    return groups
 
 
 def measure(base, queries, truth, settings: dict, lists, labels, rare) -> dict:
@@ -138,11 +119,6 @@ def hnsw_reference(base, queries, truth, ef_search=(32, 64, 128)) -> dict:
         row["distances_per_query"][ef] = faiss.cvar.hnsw_stats.ndis / q.shape[0]
         row["recall"][ef] = grnnd.recall(torch.from_numpy(ids).to(truth.device), truth, 10)
     return row
-
-
-def sizes_text(sizes: list) -> str:
-    low, high = sizes
-    return f"{low:,} or more" if high is None else f"{low:,} to {high - 1:,}"
 
 
 def describe(settings: dict) -> str:

@@ -162,6 +162,32 @@ def make_rare_queries(family: str, n: int, d: int, seed: int = 0, queries: int =
     return _rows(centres, scales, labels, d, g, device, 1 << 20), labels
 
 
+# Cluster sizes the queries are grouped by (by_cluster_size).
+SIZE_EDGES = (0, 1_000, 10_000, 100_000, 1_000_000, float("inf"))
+
+
+def by_cluster_size(ids, truth, base_labels, query_labels) -> list:
+    """Recall@10 of the queries grouped by the size of their own cluster, with the share of the
+    returned rows that lie in that cluster: a search lost between clusters returns rows of other
+    clusters, one that reached the right cluster but not its nearest rows returns its own."""
+    sizes = torch.bincount(base_labels, minlength=int(query_labels.max()) + 1)[query_labels]
+    hits = (ids[:, :10, None] == truth[:, None, :10]).any(2).float().mean(1)
+    own = ((base_labels[ids.clamp_min(0)] == query_labels[:, None]) & (ids >= 0)).float().mean(1)
+    groups = []
+    for low, high in zip(SIZE_EDGES, SIZE_EDGES[1:]):
+        member = (sizes >= low) & (sizes < high)
+        if member.any():
+            groups.append({"sizes": [low, None if high == float("inf") else high], "queries": int(member.sum()),
+                           "recall": float(hits[member].mean()), "in_own_cluster": float(own[member].mean())})
+    return groups
+
+
+
+def sizes_text(sizes: list) -> str:
+    """A by_cluster_size group's sizes, [low, high or None], as words."""
+    low, high = sizes
+    return f"{low:,} or more" if high is None else f"{low:,} to {high - 1:,}"
+
 def load_data(spec: str, device: str):
     """(name, base, queries, ground truth or None) of a GPU benchmark's --data: a family
     ("zipf:2000000x128"), "clustered:n=...,d=...,clusters=...,queries=...,seed=...", or a saved

@@ -1,7 +1,7 @@
 """The benchmarks' regression guard (benchmarks/report.py, regressions): a point slower at equal
 recall than the previous run on the same GPU model is flagged, nothing else is; the data families
 of benchmarks/bench_scale.py with their rare-category queries; bench_distributed_scale.py at toy
-size on two CPU ranks; bench_concurrency.py's searches during edits at toy size. The scripts run as modules (python -m benchmarks.NAME) from the repository's
+size on two CPU ranks; bench_concurrency.py's searches during edits and bench_graph_ceiling.py at toy size. The scripts run as modules (python -m benchmarks.NAME) from the repository's
 root, as their documentation says."""
 import copy
 import json
@@ -177,3 +177,40 @@ def test_the_concurrency_benchmark_with_a_writer_that_only_adds(tmp_path):
     run = json.load(open(tmp_path / "concurrency_clustered-8k-d16-c20_cpu_adds.json"))
     assert run["writer"] == "adds" and list(run["median_ms"]) == ["add"]
     assert run["errors"] == 0 and run["inconsistent"] == 0 and run["recall"] >= 0.9
+
+
+def test_the_graph_ceiling_benchmark_compares_the_build_with_the_exact_graphs(tmp_path):
+    # benchmarks/bench_graph_ceiling.py at toy size on the CPU: the build's graph beside the graphs
+    # made from the exact neighbours, whose edges hold every row's true 10 nearest.
+    import subprocess
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_graph_ceiling", "--device", "cpu", "--dim", "32",
+                           "--sizes", "2000", "--lists", "16,32", "--queries", "100", "--builds", "delta=0",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = {r["graph"]: r for r in json.load(open(tmp_path / "graph_ceiling_aniso.json"))["runs"]}
+    assert list(runs) == ["build defaults", "build delta=0", "exact, pruned", "exact, unpruned"]
+    assert runs["exact, unpruned"]["edge_recall"] == 1.0
+    assert runs["exact, pruned"]["edge_recall"] >= runs["build defaults"]["edge_recall"]
+    for r in runs.values():
+        recall, work = r["recall"]["in"], r["distances_per_query"]["in"]  # lists as JSON keys
+        assert 0.5 < recall["32"] <= 1.0 and recall["16"] <= recall["32"] + 0.02 and work["16"] < work["32"]
+
+
+def test_neighbours_within_clusters_are_the_exact_ones_where_clusters_lie_apart():
+    # bench_graph_ceiling.py's neighbours of a family's rows: a product for big clusters, the
+    # segment scan for the others; where the clusters lie far apart they are the exact neighbours.
+    from benchmarks.bench_graph_ceiling import within_cluster_neighbours
+    g = torch.Generator().manual_seed(0)
+    labels = torch.cat([torch.zeros(2500, dtype=torch.long), torch.ones(40, dtype=torch.long),
+                        torch.full((7,), 2), torch.full((1,), 3)])[torch.randperm(2548, generator=g)]
+    data = torch.randn(2548, 8, generator=g) + 100 * torch.randn(4, 8, generator=g)[labels]
+    near = within_cluster_neighbours(data, labels, 12)
+    table = torch.cdist(data.double(), data.double()).fill_diagonal_(float("inf"))
+    exact = table.topk(12, largest=False)[0]
+    found = table.gather(1, near.clamp_min(0))  # the distances of the rows found, in their order
+    alone = labels == 3  # a cluster of one row has no neighbours
+    assert (near[alone] == -1).all()
+    seven = labels == 2  # six others: the rest is padding
+    assert (near[seven, 6:] == -1).all() and torch.allclose(found[seven, :6], exact[seven, :6], rtol=1e-5)
+    rest = ~(alone | seven)
+    assert (near[rest] >= 0).all() and torch.allclose(found[rest], exact[rest], rtol=1e-5)
