@@ -277,6 +277,22 @@ def test_batch_graph_is_the_pyg_graph_and_the_exact_one(device, metric, loop, fl
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_given_batch_size_gives_the_same_graph(device):
+    # batch_size (torch_cluster's argument) spares reading the number of examples: the same edges
+    # and distances, by the function and by the module, with an example id skipped (2 of 0..3).
+    x, batch = gapped_batch(device)
+    for exact in (True, False):
+        want = grnnd.knn_graph(x, 5, batch, exact=exact, return_distances=True)
+        got = grnnd.knn_graph(x, 5, batch, exact=exact, return_distances=True, batch_size=4)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    layer = grnnd.nn.KNNGraph(5, exact=True)
+    assert torch.equal(layer(x, batch, batch_size=4)[0], layer(x, batch)[0])
+    if device == "cpu":  # a batch vector on the CPU is checked all the same
+        with pytest.raises(ValueError, match="sorted"):
+            grnnd.knn_graph(x, 5, batch.flip(0), batch_size=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("exact", [True, False])
 def test_ip_batch_graph_is_each_example_on_its_own(device, exact):
     # The segment kernel ranks by l2: under ip each example is searched on its own, exactly where

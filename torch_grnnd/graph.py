@@ -23,6 +23,7 @@ def knn_graph(
     seed: int = 0,
     return_distances: bool = False,
     progress: Progress = False,
+    batch_size: Optional[int] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``edge_index`` [2, N * k] linking each row of ``x`` to its k nearest other rows.
 
@@ -44,7 +45,7 @@ def knn_graph(
             is asked of examples larger than ``segments.EXACT_EXAMPLE_ROWS`` (4 096 rows), which
             are then built one after the other; under ip each example on its own, by the same
             rule. Reading the number of examples costs one host synchronisation (and ends a
-            ``torch.compile`` graph).
+            ``torch.compile`` graph) unless ``batch_size`` is given.
         metric: ``"l2"``, ``"ip"`` or ``"cosine"``.
         exact: exact instead of approximate neighbours.
         loop: the self loop is one of each point's k edges (in 0.1.0 it came on top of k).
@@ -54,6 +55,9 @@ def knn_graph(
         return_distances: also return the distance of every edge, [E] float32 in the order of
             the edges, differentiable with respect to ``x``.
         progress: reports the build(s), as in :func:`torch_grnnd.build`.
+        batch_size: the number of examples, when ``batch`` is given (torch_cluster's argument):
+            spares the host synchronisation that reads it, and with it the check that ``batch``
+            is sorted on a GPU (a batch vector on the CPU is checked all the same).
 
     Example:
         >>> import torch, torch_grnnd as grnnd
@@ -72,7 +76,8 @@ def knn_graph(
 
     def all_edges() -> Tuple[Tensor, Optional[Tensor]]:
         if batch is not None:
-            return _batch_edges(x, batch, others, metric, exact, loop, flow, list_size, seed, return_distances)
+            return _batch_edges(x, batch, others, metric, exact, loop, flow, list_size, seed, return_distances,
+                                batch_size)
         neighbour, centre, dists = _graph_edges(x, others, metric, exact, loop, list_size, seed)
         return torch.stack([neighbour, centre] if flow == "source_to_target" else [centre, neighbour]), dists
 
@@ -100,7 +105,8 @@ def _graph_edges(x: Tensor, others: int, metric: Metric, exact: bool, loop: bool
 
 
 def _batch_edges(x: Tensor, batch: Tensor, others: int, metric: Metric, exact: bool, loop: bool, flow: str,
-                 list_size: int, seed: int, return_distances: bool) -> Tuple[Tensor, Optional[Tensor]]:
+                 list_size: int, seed: int, return_distances: bool,
+                 batch_size: Optional[int]) -> Tuple[Tensor, Optional[Tensor]]:
     """The edge index of every point's ``others`` nearest other points of its example (and itself
     first with ``loop``), the whole batch searched at once (:func:`torch_grnnd.segments.nearest`,
     as :mod:`torch_grnnd.pyg` searches it) and its edges made by one segment_edges call; with
@@ -108,7 +114,7 @@ def _batch_edges(x: Tensor, batch: Tensor, others: int, metric: Metric, exact: b
     else None."""
     x = as_points(x, "x")
     n = x.shape[0]
-    segments = examples_of(x, x, batch, batch, None, names=("batch", "batch"))
+    segments = examples_of(x, x, batch, batch, batch_size, names=("batch", "batch"))
     centre = torch.arange(n, device=x.device)[:, None]
     if others > 0 and segments is not None:
         points = search_space(x, metric)

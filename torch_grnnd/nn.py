@@ -22,7 +22,8 @@ class KNNGraph(nn.Module):
 
     ``forward(x, batch=None)`` returns ``(edge_index [2, N * k], dists [N * k])``: PyG's edge
     convention (``flow``), and each edge's distance, differentiable with respect to ``x``.
-    With ``batch`` (sorted int64 [N]) every example gets its own graph. ``loop=True`` makes the
+    With ``batch`` (sorted int64 [N]) every example gets its own graph (``batch_size``, the number
+    of examples, spares reading it: see :func:`torch_grnnd.knn_graph`). ``loop=True`` makes the
     self loop one of each point's k edges; an example of k points or fewer gives what it has
     (torch_cluster's semantics). :class:`torch_grnnd.pyg.KNNGraph` is this module as PyG's
     transform: PyG's arguments, a data object in and out, torch_cluster's edges.
@@ -46,9 +47,10 @@ class KNNGraph(nn.Module):
         self.k, self.metric, self.exact, self.loop, self.flow = k, metric, exact, loop, flow
         self.list_size, self.seed = list_size, seed
 
-    def forward(self, x: Tensor, batch: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, batch: Optional[Tensor] = None,
+                batch_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
         return knn_graph(x, self.k, batch, metric=self.metric, exact=self.exact, loop=self.loop, flow=self.flow,
-                         list_size=self.list_size, seed=self.seed, return_distances=True)
+                         list_size=self.list_size, seed=self.seed, return_distances=True, batch_size=batch_size)
 
     def extra_repr(self) -> str:
         return f"k={self.k}, metric={self.metric!r}, exact={self.exact}, loop={self.loop}, flow={self.flow!r}"
