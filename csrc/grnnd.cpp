@@ -115,10 +115,11 @@ TORCH_LIBRARY(grnnd, m) {
       "Tensor? batch_x=None, int examples=-1) -> (Tensor, Tensor)");
   // knn_segments' results (dists, ids [queries, k]) as an int64 edge index [2, E]: (query, id)
   // for each entry with id >= 0, dist < max_distance when given, and id != query when drop_self,
-  // in row-major order; neighbour_first puts the ids in row 0 (PyG's flow="source_to_target").
+  // at most the first `most` such entries of each row when most >= 0, in row-major order;
+  // neighbour_first puts the ids in row 0 (PyG's flow="source_to_target").
   m.def(
       "segment_edges(Tensor dists, Tensor ids, *, float? max_distance=None, bool drop_self=False, "
-      "bool neighbour_first=False) -> Tensor");
+      "bool neighbour_first=False, int most=-1) -> Tensor");
   // The build's relative-neighbourhood rule applied to chosen rows (csrc/build/prune.h): for each
   // vertices[i], a row of at most `degree` of its candidates[i] (-1 padded, any values; those
   // outside [0, n) are ignored), as editing an index needs; the first `fixed` columns are kept

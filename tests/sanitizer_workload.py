@@ -125,6 +125,7 @@ def segments(g: torch.Generator):
         # The edges of those results, every filter (csrc/cuda/segment_edges_cuda.cu).
         torch.ops.grnnd.segment_edges(dists, ids)
         torch.ops.grnnd.segment_edges(dists, ids, max_distance=1.0, drop_self=True, neighbour_first=True)
+        torch.ops.grnnd.segment_edges(dists, ids, drop_self=True, most=3)
     torch.ops.grnnd.segment_edges(torch.rand(50, 40, device="cuda"), torch.randint(-1, 50, (50, 40), device="cuda"))
     flat = torch.randn(50_000, 3, generator=g, device="cuda")
     flat[:, 2] = 0.5  # a plane: one cell along z

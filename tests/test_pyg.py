@@ -372,13 +372,15 @@ def test_knn_segments_point_clouds_equal_cpu_bit_for_bit(k):
     assert torch.equal(cpu[1], gpu[1].cpu()) and torch.equal(cpu[0], gpu[0].cpu())
 
 
-def reference_edges(dists, ids, max_distance=None, drop_self=False, neighbour_first=False):
+def reference_edges(dists, ids, max_distance=None, drop_self=False, neighbour_first=False, most=-1):
     """segment_edges composed from torch ops: mask, nonzero, gather."""
     keep = ids >= 0
     if max_distance is not None:
         keep &= dists < max_distance
     if drop_self:
         keep &= ids != torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+    if most >= 0:  # each row's first `most` kept entries
+        keep &= keep.cumsum(1) <= most
     at = keep.nonzero()
     edges = torch.stack([at[:, 0], ids[at[:, 0], at[:, 1]]])
     return edges.flip(0) if neighbour_first else edges
@@ -388,17 +390,20 @@ def reference_edges(dists, ids, max_distance=None, drop_self=False, neighbour_fi
 @pytest.mark.parametrize("max_distance", [None, 0.5, 0.0])
 @pytest.mark.parametrize("drop_self", [False, True])
 @pytest.mark.parametrize("neighbour_first", [False, True])
-def test_segment_edges_equals_mask_and_nonzero(device, max_distance, drop_self, neighbour_first):
+@pytest.mark.parametrize("most", [-1, 0, 3, 40])
+def test_segment_edges_equals_mask_and_nonzero(device, max_distance, drop_self, neighbour_first, most):
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(-1, 40, (3000, 9), generator=g)
+    ids = torch.randint(-1, 40, (3000, 40), generator=g)  # rows longer than a warp
     ids[::7, 0] = torch.arange(0, 3000, 7)  # queries whose own row is among their ids
-    dists = torch.rand(3000, 9, generator=g)
+    dists = torch.rand(3000, 40, generator=g)
     dists[ids < 0] = float("inf")
     got = torch.ops.grnnd.segment_edges(dists.to(device), ids.to(device), max_distance=max_distance,
-                                        drop_self=drop_self, neighbour_first=neighbour_first)
-    want = reference_edges(dists, ids, max_distance, drop_self, neighbour_first)
+                                        drop_self=drop_self, neighbour_first=neighbour_first, most=most)
+    want = reference_edges(dists, ids, max_distance, drop_self, neighbour_first, most)
     assert got.dtype == torch.long and got.device.type == device
-    assert torch.equal(got.cpu(), want) and (want.shape[1] > 0) == (max_distance != 0.0)
+    assert torch.equal(got.cpu(), want) and (want.shape[1] > 0) == (max_distance != 0.0 and most != 0)
+    if most > 0 and max_distance is None:  # rows with more kept entries than that are cut
+        assert torch.bincount(want[1 if neighbour_first else 0], minlength=3000).max() == most
     empty = torch.ops.grnnd.segment_edges(dists[:0].to(device), ids[:0].to(device))
     assert empty.shape == (2, 0)
 
@@ -431,3 +436,9 @@ def test_knn_segments_queued_candidates_keep_the_tie_rule(dim, k, queries):
     cpu = torch.ops.grnnd.knn_segments(x, y, ptr_x, batch_y, k, method="scan")
     gpu = torch.ops.grnnd.knn_segments(x.cuda(), y.cuda(), ptr_x.cuda(), batch_y.cuda(), k, method="scan")
     assert torch.equal(cpu[1], gpu[1].cpu()) and torch.equal(cpu[0], gpu[0].cpu())
+
+
+def test_segment_edges_refuses_a_negative_cap():
+    ids = torch.randint(0, 5, (5, 3))
+    with pytest.raises(ValueError, match="most: expected -1"):
+        torch.ops.grnnd.segment_edges(torch.rand(5, 3), ids, most=-2)

@@ -6,7 +6,6 @@ from torch import Tensor
 
 from .ops import Metric
 from .progress import Progress, run_reporting
-from .results import own_column
 from .segments import as_points, distances, examples_of, nearest, search_space
 
 
@@ -115,23 +114,23 @@ def _batch_edges(x: Tensor, batch: Tensor, others: int, metric: Metric, exact: b
     x = as_points(x, "x")
     n = x.shape[0]
     segments = examples_of(x, x, batch, batch, batch_size, names=("batch", "batch"))
-    centre = torch.arange(n, device=x.device)[:, None]
     if others > 0 and segments is not None:
         points = search_space(x, metric)
         dists, ids = nearest(points, points, segments, others + 1, metric=metric, approximate=not exact,
                              list_size=list_size, seed=seed)
-        # Each point's own id (or, where duplicates kept it out, its farthest) becomes -1, which
-        # segment_edges drops as padding: k others whatever the duplicates (torch_cluster's
-        # rule, pyg's, keeps k + 1 then).
-        ids = ids.scatter(1, own_column(ids, centre), -1)
     else:
-        dists, ids = x.new_zeros(n, 0, dtype=torch.float32), centre.new_zeros(n, 0)
-    if loop:
-        ids = torch.cat([centre, ids], dim=1)
-        dists = torch.cat([dists.new_zeros(n, 1), dists], dim=1)  # segment_edges reads them only to filter
-    # Entries with id -1 (examples with fewer rows) dropped; each point's edges together, nearest first.
+        dists, ids = x.new_zeros(n, 0, dtype=torch.float32), torch.zeros(n, 0, dtype=torch.long, device=x.device)
+    # segment_edges drops the point's own id and entries -1 (examples with fewer rows) and keeps
+    # each point's first `others`: k others whatever the duplicates (where duplicates kept the
+    # point out of its k + 1 nearest, its farthest goes; torch_cluster's rule, pyg's, keeps k + 1
+    # then). Each point's edges together, nearest first.
     source_to_target = flow == "source_to_target"
-    edge_index = torch.ops.grnnd.segment_edges.default(dists, ids, neighbour_first=source_to_target)
+    if loop:  # the point first, then its others: its own id is dropped where the search found it
+        centre = torch.arange(n, device=x.device)[:, None]
+        ids = torch.cat([centre, ids.masked_fill(ids == centre, -1)], dim=1)
+        dists = torch.cat([dists.new_zeros(n, 1), dists], dim=1)  # segment_edges reads them only to filter
+    edge_index = torch.ops.grnnd.segment_edges.default(dists, ids, drop_self=not loop,
+                                                       neighbour_first=source_to_target, most=others + loop)
     if not return_distances:
         return edge_index, None
     neighbour, point = (edge_index[0], edge_index[1]) if source_to_target else (edge_index[1], edge_index[0])

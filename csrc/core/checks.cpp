@@ -290,7 +290,8 @@ at::Tensor SegmentsOfX::as_ptr() const {
 }
 
 EdgeFilter check_segment_edges_inputs(const at::Tensor& dists, const at::Tensor& ids,
-                                      const c10::optional<double>& max_distance, bool drop_self) {
+                                      const c10::optional<double>& max_distance, bool drop_self, int64_t most) {
+  TORCH_CHECK_VALUE(most >= -1, "most: expected -1 (every kept entry) or a number of entries >= 0, got ", most);
   TORCH_CHECK_TYPE(dists.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong,
                    "dists, ids: expected float32 and int64 (knn_segments' results), got ", dists.scalar_type(),
                    " and ", ids.scalar_type());
@@ -299,7 +300,8 @@ EdgeFilter check_segment_edges_inputs(const at::Tensor& dists, const at::Tensor&
                     ids.sizes());
   check_same_device(ids, "ids", dists, "dists");
   TORCH_CHECK_VALUE(!max_distance.has_value() || !std::isnan(*max_distance), "max_distance: expected a number, got nan");
-  return EdgeFilter{static_cast<float>(max_distance.value_or(0.0)), max_distance.has_value(), drop_self};
+  return EdgeFilter{static_cast<float>(max_distance.value_or(0.0)), max_distance.has_value(), drop_self,
+                    most < 0 ? std::numeric_limits<int64_t>::max() : most};
 }
 
 void check_prune_inputs(const at::Tensor& data, const at::Tensor& vertices, const at::Tensor& candidates,

@@ -89,9 +89,9 @@ SegmentsOfX check_knn_segments_inputs(const at::Tensor& x, const at::Tensor& y, 
                                       int64_t examples);
 
 // segment_edges' inputs: knn_segments' (dists, ids), float32 and int64 [queries, k] on one
-// device. Returns the filter they ask for.
+// device, and most >= -1. Returns the filter they ask for.
 EdgeFilter check_segment_edges_inputs(const at::Tensor& dists, const at::Tensor& ids,
-                                      const c10::optional<double>& max_distance, bool drop_self);
+                                      const c10::optional<double>& max_distance, bool drop_self, int64_t most);
 // prune_rows (prune.h): data [n, D], int64 vertices [m] in [0, n) (read where contents are
 // readable), int32/int64 candidates [m, c] with c <= kMaxPruneCandidates (any values: those
 // outside [0, n) are no candidates), 1 <= degree <= kMaxPoolSize, fixed >= 0, and 0 with shrink.

@@ -34,11 +34,12 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarpSize)
   const int lane = threadIdx.x % kWarpSize;
   if (q >= queries) return;  // warp-uniform
   const int64_t kept = kept_in_row(dists, ids, q, k, filter, lane);
-  if (lane == 0) counts[q] = kept;
+  if (lane == 0) counts[q] = kept < filter.most ? kept : filter.most;
 }
 
-// ends[q]: the offset after query q's edges (an inclusive scan of the counts). Each kept entry
-// goes to its row's offset plus the kept entries before it (a ballot prefix).
+// ends[q]: the offset after query q's edges (an inclusive scan of the counts, each at most
+// filter.most). Each kept entry goes to its row's offset plus the kept entries before it (a
+// ballot prefix), while that is before the row's end.
 __global__ void __launch_bounds__(kRowsPerBlock * kWarpSize)
     write_edges_kernel(const float* dists, const int64_t* ids, int64_t queries, int64_t k, EdgeFilter filter,
                        const int64_t* ends, int64_t* query_row, int64_t* id_row) {
@@ -46,13 +47,14 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarpSize)
   const int lane = threadIdx.x % kWarpSize;
   if (q >= queries) return;  // warp-uniform
   int64_t at = q == 0 ? 0 : ends[q - 1];
-  for (int64_t j0 = 0; j0 < k; j0 += kWarpSize) {
+  const int64_t end = ends[q];
+  for (int64_t j0 = 0; j0 < k && at < end; j0 += kWarpSize) {  // warp-uniform
     const int64_t j = j0 + lane;
     const int64_t id = j < k ? ids[q * k + j] : -1;
     const bool keep = j < k && filter.keep(q, id, dists[q * k + j]);
     const unsigned kept = __ballot_sync(kFullMask, keep);
-    if (keep) {
-      const int64_t slot = at + __popc(kept & lanes_below(lane));
+    const int64_t slot = at + __popc(kept & lanes_below(lane));
+    if (keep && slot < end) {
       query_row[slot] = q;
       id_row[slot] = id;
     }
@@ -61,8 +63,8 @@ __global__ void __launch_bounds__(kRowsPerBlock * kWarpSize)
 }
 
 at::Tensor segment_edges_cuda(const at::Tensor& dists, const at::Tensor& ids, c10::optional<double> max_distance,
-                              bool drop_self, bool neighbour_first) {
-  const EdgeFilter filter = check_segment_edges_inputs(dists, ids, max_distance, drop_self);
+                              bool drop_self, bool neighbour_first, int64_t most) {
+  const EdgeFilter filter = check_segment_edges_inputs(dists, ids, max_distance, drop_self, most);
   const c10::cuda::CUDAGuard guard(ids.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ids.device().index()).stream();
   const at::Tensor d = dists.contiguous(), i = ids.contiguous();

@@ -72,6 +72,7 @@ C10_HOST_DEVICE inline void insert_nearest(float* best_d, int64_t* best_i, int64
 struct EdgeFilter {
   float max_distance;
   bool has_max_distance, drop_self;
+  int64_t most;  // entries a row keeps at most, the first ones the filter keeps
 
   C10_HOST_DEVICE bool keep(int64_t query, int64_t id, float dist) const {
     return id >= 0 && (!has_max_distance || dist < max_distance) && !(drop_self && id == query);
