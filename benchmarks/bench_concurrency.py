@@ -9,7 +9,9 @@ server's request threads would be) search batches of --batch queries back to bac
 of the rows (from the held-out 10%, then rows removed earlier, under new ids) and removes of 1% of
 the live ids in turn, and every tenth edit a compact (--writer mixed), or adds of 1% only (--writer
 adds: the index starts with all rows but those the adds bring). --search-priority high puts the searchers'
-streams above the writer's (a server's choice: the GPU then runs their blocks first). Reported:
+streams above the writer's (a server's choice: the GPU then runs their blocks first); --writer-sms N
+runs the writer's edits on a stream of a CUDA green context of N SMs (torch.cuda.green_contexts),
+so that they never take more of the GPU than that and the searchers keep the rest. Reported:
   - queries/s of all searchers without and with the writer, and their ratio (the goal: >= 80%);
   - errors raised by a search, and inconsistent results: a batch whose ids are not all live in
     one of the index versions between the version read before the search and the one after (a
@@ -51,6 +53,32 @@ def search_loop(index: grnnd.Index, queries: torch.Tensor, batch: int, stop: thr
         errors.append(repr(error))
 
 
+# The green contexts of the writers' streams: a context is destroyed with its Python object, and
+# a stream of a destroyed context fails every launch.
+_GREEN_CONTEXTS = []
+
+
+def writer_stream_on(device: torch.device, sms: int):
+    """A stream of a CUDA green context of ``sms`` SMs on ``device`` (None for 0, or off a GPU):
+    kernels launched on it run on those SMs only. The context lives as long as the process."""
+    if sms <= 0 or device.type != "cuda":
+        return None
+    from torch.cuda.green_contexts import GreenContext
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        context = GreenContext.create(num_sms=sms, device_id=index)
+    except TypeError:  # releases whose create takes its arguments by position
+        context = GreenContext.create(sms, index)
+    _GREEN_CONTEXTS.append(context)
+    if hasattr(context, "Stream"):
+        return context.Stream()
+    context.set_context()  # releases without Stream(): a stream made while the context is current is its
+    try:
+        return torch.cuda.Stream(device)
+    finally:
+        context.pop_context()
+
+
 def run_searchers(index, queries, args, device, stop, done, errors):
     priority = -1 if args.search_priority == "high" else 0  # torch maps -1 to a high priority the GPU has
     threads = [threading.Thread(target=search_loop,
@@ -72,6 +100,8 @@ def main():
                             "with all rows but --edits %% of them)")
         p.add_argument("--search-priority", choices=("default", "high"), default="default",
                        help="the searchers' CUDA streams: the default priority, or the highest")
+        p.add_argument("--writer-sms", type=int, default=0,
+                       help="the writer's edits on a green context of this many SMs (0: the whole GPU)")
     args, device, name, base, queries = setup(__doc__, "clustered:n=1000000,d=384,clusters=1000,queries=10000",
                                               arguments)
     n = base.shape[0]
@@ -112,6 +142,7 @@ def main():
     held_out = torch.arange(first, n)  # rows not in the index: added, and re-added after removal
     next_id, times = n, {"add": [], "remove": [], "compact": []}
     g = torch.Generator().manual_seed(0)
+    writer_stream = writer_stream_on(device, args.writer_sms)
     stop, done, errors = threading.Event(), [], []
     threads = run_searchers(index, queries, args, device, stop, done, errors)
     began = time.perf_counter()
@@ -122,17 +153,18 @@ def main():
                 "compact" if edit % 10 == 9 else ("add" if changes % 2 == 0 else "remove"))
             changes += kind != "compact"
             t0 = time.perf_counter()
-            if kind == "add":
-                rows, held_out = held_out[:step], held_out[step:]
-                ids = torch.arange(next_id, next_id + rows.numel())
-                index.add(base[rows.to(device)], ids=ids.to(device))
-                next_id += rows.numel()
-            elif kind == "remove":
-                candidates = live.nonzero().squeeze(1)
-                gone = candidates[torch.randperm(candidates.numel(), generator=g)[:step]]
-                index.remove(gone.to(device))
-            else:
-                index.compact()
+            with torch.cuda.stream(writer_stream) if writer_stream is not None else contextlib.nullcontext():
+                if kind == "add":
+                    rows, held_out = held_out[:step], held_out[step:]
+                    ids = torch.arange(next_id, next_id + rows.numel())
+                    index.add(base[rows.to(device)], ids=ids.to(device))
+                    next_id += rows.numel()
+                elif kind == "remove":
+                    candidates = live.nonzero().squeeze(1)
+                    gone = candidates[torch.randperm(candidates.numel(), generator=g)[:step]]
+                    index.remove(gone.to(device))
+                else:
+                    index.compact()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times[kind].append(time.perf_counter() - t0)
@@ -167,7 +199,8 @@ def main():
     truth = kept[grnnd.knn(base[rows], queries, K)[1]]
     results = {
         "data": name, "n": n, "dim": base.shape[1], "device": device.type, "searchers": args.searchers,
-        "batch": args.batch, "search_priority": args.search_priority, "writer": args.writer, "edits": args.edits, "rows_per_edit": step,
+        "batch": args.batch, "search_priority": args.search_priority, "writer": args.writer,
+        "writer_sms": args.writer_sms, "edits": args.edits, "rows_per_edit": step,
         "machine": machine(threads=torch.get_num_threads(), cuda=device.type == "cuda"),
         "alone_qps": alone_qps, "shared_qps": shared_qps, "ratio": shared_qps / alone_qps,
         "searches_during_edits": len(done), "writer_s": writer_s, "errors": len(errors), "first_error": errors[:1],
@@ -178,7 +211,8 @@ def main():
     print(json.dumps({k: v for k, v in results.items() if k != "machine"}), flush=True)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"concurrency_{name}_{device.type}" + ("_adds" if args.writer == "adds" else "")
-                        + ("_high" if args.search_priority == "high" else ""))
+                        + ("_high" if args.search_priority == "high" else "")
+                        + (f"_sms{args.writer_sms}" if args.writer_sms else ""))
     with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=1)
     with open(stem + ".md", "w") as f:
@@ -194,7 +228,9 @@ def report_lines(r: dict) -> list:
             "inconsistent | edits (median) | recall@10 after |",
             "|---|---:|---:|---:|---:|---:|---:|---|---:|",
             f"| {r['searchers']} x {r['batch']}"
-            f"{' (high-priority streams)' if r.get('search_priority') == 'high' else ''} | {r['alone_qps']:,.0f} | {r['shared_qps']:,.0f} | {r['ratio']:.2f} | "
+            f"{' (high-priority streams)' if r.get('search_priority') == 'high' else ''}"
+            f"{f' (writer on {sms} SMs)' if (sms := r.get('writer_sms')) else ''}"
+            f" | {r['alone_qps']:,.0f} | {r['shared_qps']:,.0f} | {r['ratio']:.2f} | "
             f"{r['searches_during_edits']:,} | {r['errors']} | {r['inconsistent']} | {r['edits']} "
             f"{'adds' if r.get('writer') == 'adds' else 'edits'} of "
             f"{r['rows_per_edit']:,} rows: {medians} | {r['recall']:.4f} |"]
