@@ -123,6 +123,11 @@ def main() -> int:
                   purities[-1] >= 0.9 and purities[-1] > purities[0] + 0.3,
               f"held-out accuracy {accuracy:.3f} < 0.9": accuracy >= 0.9}
     failures = [what for what, passed in checks.items() if not passed]
+    # Shut down in order: the DDP model and the index hold the process group's work and buffers,
+    # so they go first, and every rank has finished its collectives before any rank destroys the
+    # group (a rank that leaves first can close the connection a slower one still tears down).
+    del model, bank
+    dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         for failure in failures:
