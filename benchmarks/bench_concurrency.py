@@ -63,20 +63,11 @@ def writer_stream_on(device: torch.device, sms: int):
     kernels launched on it run on those SMs only. The context lives as long as the process."""
     if sms <= 0 or device.type != "cuda":
         return None
-    from torch.cuda.green_contexts import GreenContext
+    from torch.cuda.green_contexts import GreenContext  # torch 2.11 and later
     index = device.index if device.index is not None else torch.cuda.current_device()
-    try:
-        context = GreenContext.create(num_sms=sms, device_id=index)
-    except TypeError:  # releases whose create takes its arguments by position
-        context = GreenContext.create(sms, index)
+    context = GreenContext.create(num_sms=sms, device_id=index)
     _GREEN_CONTEXTS.append(context)
-    if hasattr(context, "Stream"):
-        return context.Stream()
-    context.set_context()  # releases without Stream(): a stream made while the context is current is its
-    try:
-        return torch.cuda.Stream(device)
-    finally:
-        context.pop_context()
+    return context.Stream()
 
 
 def run_searchers(index, queries, args, device, stop, done, errors):

@@ -10,8 +10,8 @@ Two kinds of input. --sizes: one anisotropic Gaussian cluster of zipf_aniso's ki
 the shape of the big clusters where that family's in-distribution queries lose recall as N
 grows, with --queries queries drawn the same way. --sets: a family of datasets.py with its two
 query sets ("in" and "rare", as benchmarks/bench_scale.py), where each row's exact neighbours are
-taken within its own cluster: exact for families whose clusters lie apart (zipf_aniso: centres
-about 68 apart, a row about 24 from its own centre at 1024-d), an approximation where they overlap.
+taken within its own cluster: exact for families whose clusters lie apart (zipf_aniso: by its
+spreads, centres about 68 apart and a row about 24 from its own centre at 1024-d), an approximation where they overlap.
 Graphs made of those have no edges between clusters but the repair's: their figures for the
 in queries (mostly from big clusters, which hold hubs) are a ceiling, those for the rare ones
 (from small clusters, reached through other clusters) are not.

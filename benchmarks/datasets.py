@@ -182,7 +182,6 @@ def by_cluster_size(ids, truth, base_labels, query_labels) -> list:
     return groups
 
 
-
 def sizes_text(sizes: list) -> str:
     """A by_cluster_size group's sizes, [low, high or None], as words."""
     low, high = sizes
