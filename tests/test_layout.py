@@ -6,14 +6,20 @@ import os
 
 import pytest
 
+import torch_grnnd
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where each package's modules are read from: the library as it is imported (the checkout, or an
+# installed wheel's copy when .ci/wheel runs the suite), the benchmarks from the checkout.
+FOLDERS = {"torch_grnnd": os.path.dirname(os.path.abspath(torch_grnnd.__file__)),
+           "benchmarks": os.path.join(ROOT, "benchmarks")}
 # What the benchmark scripts may import from each other: the modules made to be shared.
 SHARED_BENCHMARK_MODULES = {"report", "datasets", "common", "baselines"}
 
 
 def imports(package: str) -> dict:
     """Module -> the modules of the same package it imports, anywhere in its code."""
-    folder = os.path.join(ROOT, package)
+    folder = FOLDERS[package]
     found = {}
     for name in sorted(os.listdir(folder)):
         if not name.endswith(".py"):
@@ -67,7 +73,7 @@ def test_benchmark_scripts_share_code_through_the_shared_modules_only():
 def test_benchmark_scripts_leave_sys_path_alone():
     # They run as modules from the repository's root (python -m benchmarks.NAME), which puts the
     # root on the path for them.
-    folder = os.path.join(ROOT, "benchmarks")
+    folder = FOLDERS["benchmarks"]
     editing = [name for name in sorted(os.listdir(folder))
                if name.endswith(".py") and "sys.path" in open(os.path.join(folder, name)).read()]
     assert editing == []
