@@ -99,8 +99,9 @@ class BuildParams(_Settings):
             to 10M rows, in about the same time at 1M real rows (benchmarks/README.md, defaults).
         seed: seeds every random choice; on one CPU thread the graph depends on it alone.
         delta: [delta] convergence: a round that changes at most ``delta * N * pool_size`` pool
-            entries ends its outer iteration, and an outer iteration that converges in its first
-            round ends the build, so ``outer_iters`` and ``inner_iters`` are caps. 0 runs every
+            entries ends its outer iteration, and an outer iteration whose first round changes at
+            most ten times that ends the build, from the third outer iteration on (the second for a
+            build from ``init``), so ``outer_iters`` and ``inner_iters`` are caps. 0 runs every
             round (seed 000's fixed schedule).
         start: ``"hubs"``: most initial neighbours come from the cells of each row's two nearest
             hubs (a sample of one row in 1000, found by matrix products), a start that is already

@@ -10,7 +10,8 @@
 // clustered rows, H100, the first round settled near 0.02 N R outer iteration after outer
 // iteration while the last fell to 0.0015 N R). So the build ends after an outer iteration whose
 // first round changed at most kOuterDelta * delta * N * pool_size entries; the first outer
-// iteration, whose first round follows no reverse edges, never ends it this way. T1 and T2 are caps.
+// iteration, whose first round follows no reverse edges, never ends it this way, and neither does
+// the second of a build from scratch (first_tested_outer_iteration). T1 and T2 are caps.
 // With a start from hubs the change curves of 1M and 4M rows were the same, round for round, and
 // recall@10 at list 64 after 18 rounds (the last changing 0.0096 N R) was within 0.001 of 60
 // rounds; from a random start 4M rows still changed 0.046 N R after 18 rounds and recalled 0.79
@@ -112,16 +113,25 @@ inline int64_t counted_rows(const Split& split, int64_t n) { return split.grows 
 
 constexpr double kOuterDelta = 10.0;
 
-// update(order, round, count) runs update round `round` (1-based, the random streams' counter)
-// in `order` and returns the pool entries it changed when `count` is true (on the GPU counting
-// costs a host synchronisation); reverse() samples reverse edges. Reports (rounds done, T1 x T2,
-// changes) after each round, and (done, done, changes) at the end of a build that converged
-// before the cap. Returns the rounds run.
+// The first outer iteration (0-based) whose first round may end a build. The first round after
+// the first reverse edges changes about as many entries as the line on every family, so a build
+// from scratch that stopped there stopped by chance; its test starts an outer iteration later
+// (benchmarks/README.md, "Where builds stop"). A build from a graph (`init`: a merge, a growing
+// graph) starts from settled rows and keeps the test from its second outer iteration.
+inline int first_tested_outer_iteration(bool from_graph) { return from_graph ? 1 : 2; }
+
+// from_graph: the build starts from entries it is given (start_entries). update(order, round,
+// count) runs update round `round` (1-based, the random streams' counter) in `order` and returns
+// the pool entries it changed when `count` is true (on the GPU counting costs a host
+// synchronisation); reverse() samples reverse edges. Reports (rounds done, T1 x T2, changes)
+// after each round, and (done, done, changes) at the end of a build that converged before the
+// cap. Returns the rounds run.
 template <typename Update, typename Reverse>
-int64_t run_schedule(const BuildParams& p, int64_t n, Update&& update, Reverse&& reverse) {
+int64_t run_schedule(const BuildParams& p, int64_t n, bool from_graph, Update&& update, Reverse&& reverse) {
   const bool converge = p.delta > 0;
   const bool report = progress_requested();
   const int64_t cap = static_cast<int64_t>(p.outer_iters) * p.inner_iters;
+  const int first_tested = first_tested_outer_iteration(from_graph);
   int64_t done = 0, changes = 0;
   uint32_t round = 0;
   for (int t1 = 0; t1 < p.outer_iters; ++t1) {
@@ -134,7 +144,7 @@ int64_t run_schedule(const BuildParams& p, int64_t n, Update&& update, Reverse&&
       // Only a first round after reverse edges tells: the very first round of a build changes
       // about 0.27 N R from a hub start, which a delta of 0.03 already counted as settled
       // (a build of 9 rounds, recall@10 0.87 against 0.96 at list 64 on real embeddings, H100).
-      if (t2 == 0 && t1 > 0) {
+      if (t2 == 0 && t1 >= first_tested) {
         settled = converge && static_cast<double>(changes) <= kOuterDelta * p.converged_changes(n);
       }
       if (report) report_progress(done, cap, changes);

@@ -303,11 +303,11 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
 
   Pools pools(n, p.pool_size);
   const Split split = start_split(init_split, init_mode, n, p);
-  initialise(vectors, n, p, p.start == Start::kHubs ? partition_cells(x, lift) : Cells{}, start_entries(init, data, p),
-             split, pools);
+  const at::Tensor init_entries = start_entries(init, data, p);
+  initialise(vectors, n, p, p.start == Start::kHubs ? partition_cells(x, lift) : Cells{}, init_entries, split, pools);
   int read = 0;
   run_schedule(
-      p, counted_rows(split, n),
+      p, counted_rows(split, n), init_entries.defined(),
       [&](UpdateOrder order, uint32_t round, bool /*count: free here*/) {
         BuildParams iteration = p;
         iteration.update_order = order;

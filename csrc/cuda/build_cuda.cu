@@ -767,7 +767,7 @@ int run_build(const T* x, const DevicePools& pools, const BuildArgs& args, const
     check_launch();
     read ^= 1;
   };
-  run_schedule(p, counted_rows(args.split, n), update, reverse);
+  run_schedule(p, counted_rows(args.split, n), init.defined(), update, reverse);
   // The rows go into the spare buffer's slots, [N, R] int32 holding [N, min(degree, R)], so
   // the graph needs no memory of its own while the pools are alive.
   finalise_kernel<<<blocks, kBlockThreads, shared, stream>>>(
