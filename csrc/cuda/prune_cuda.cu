@@ -90,19 +90,39 @@ __device__ __forceinline__ float prune_distance(const T* __restrict__ x, const P
 // A distance not computed yet (distances are never NaN: add and build refuse NaN rows).
 __device__ __forceinline__ float unknown_distance() { return __int_as_float(0x7fffffff); }
 
-// The shrink of prune.h for vertex v, one warp: the row's entries keep their order, and only the
-// distances the newcomers' places and the surplus need are computed.
-template <typename T, int TEAM>
-__device__ void shrink_row(const T* __restrict__ x, const PruneArgs& a, int64_t v, int32_t* row, uint32_t* scratch) {
-  constexpr int kTeams = kWarpSize / TEAM;
-  const int lane = threadIdx.x, team = lane / TEAM, rank = lane % TEAM;
+// Step 6 of a shrink, step 4 of the rule: the entries whose flag is set, in list order, -1 padded
+// (id_of(j): the id of list entry j).
+template <typename IdOf>
+__device__ __forceinline__ void write_kept(int32_t* row, int degree, int count, const int* flag, IdOf id_of) {
+  const int lane = threadIdx.x;
+  int written = 0;
+  for (int base = 0; base < count; base += kWarpSize) {
+    const int j = base + lane;
+    const bool take = j < count && flag[j];
+    const unsigned mask = __ballot_sync(kFullMask, take);
+    const int at = written + __popc(mask & lanes_below(lane));
+    if (take && at < degree) row[at] = static_cast<int32_t>(id_of(j));
+    written += __popc(mask);
+  }
+  for (int j = min(written, degree) + lane; j < degree; j += kWarpSize) row[j] = -1;
+}
+
+// ---- The shrink of prune.h for vertex v, one warp: the row's entries keep their order, and only
+// the distances the newcomers' places and the surplus need are computed. One function a step. ----
+
+struct RowAndNewcomers {
+  int row;         // c: the row's entries kept in s.row_id
+  int newcomers;   // m: the newcomers in s.new_id
+};
+
+// 1. The row's entries in their order; newcomers: the other columns' ids that are not in the
+// row, nor v, nor a repeat of an earlier column, the first `degree` of them.
+__device__ __forceinline__ RowAndNewcomers gather_row_and_newcomers(const PruneArgs& a, int64_t v,
+                                                                    const ShrinkScratch& s) {
+  const int lane = threadIdx.x;
   const int degree = a.degree;
-  const ShrinkScratch s(scratch, a);
   const int64_t* cand = a.candidates + static_cast<int64_t>(blockIdx.x) * a.width;
   const int row_width = static_cast<int>(min(a.width, int64_t{degree}));
-
-  // 1. The row's entries in their order; newcomers: the other columns' ids that are not in the
-  // row, nor v, nor a repeat of an earlier column, the first `degree` of them.
   int c = 0;
   for (int base = 0; base < row_width; base += kWarpSize) {
     const int j = base + lane;
@@ -130,8 +150,15 @@ __device__ void shrink_row(const T* __restrict__ x, const PruneArgs& a, int64_t 
     m = min(degree, m + __popc(mask));
   }
   __syncwarp();
+  return {c, m};
+}
 
-  // 2. The newcomers' distances to v, then the newcomers by (distance, id).
+// 2. The newcomers' distances to v, then the newcomers by (distance, id).
+template <typename T, int TEAM>
+__device__ __forceinline__ void rank_newcomers(const T* __restrict__ x, const PruneArgs& a, int64_t v,
+                                               const ShrinkScratch& s, int m) {
+  constexpr int kTeams = kWarpSize / TEAM;
+  const int lane = threadIdx.x, team = lane / TEAM, rank = lane % TEAM;
   for (int k0 = 0; k0 < m; k0 += kTeams) {
     const int k = k0 + team;
     const bool valid = k < m;
@@ -153,9 +180,15 @@ __device__ void shrink_row(const T* __restrict__ x, const PruneArgs& a, int64_t 
     s.new_dist[k] = s.list_dist[k];
   }
   __syncwarp();
+}
 
-  // 3. Each newcomer's place: a binary search over the row's distances, a team per newcomer, the
-  // distances shared between the teams as they are computed.
+// 3. Each newcomer's place: a binary search over the row's distances, a team per newcomer, the
+// distances shared between the teams as they are computed.
+template <typename T, int TEAM>
+__device__ __forceinline__ void place_newcomers(const T* __restrict__ x, const PruneArgs& a, int64_t v,
+                                                const ShrinkScratch& s, int c, int m) {
+  constexpr int kTeams = kWarpSize / TEAM;
+  const int lane = threadIdx.x, team = lane / TEAM, rank = lane % TEAM;
   const int steps = 32 - __clz(c);  // the most halvings of [0, c)
   for (int k0 = 0; k0 < m; k0 += kTeams) {
     const int k = k0 + team;
@@ -188,9 +221,12 @@ __device__ void shrink_row(const T* __restrict__ x, const PruneArgs& a, int64_t 
     for (int k = 1; k < m; ++k) s.new_place[k] = max(s.new_place[k], s.new_place[k - 1]);
   }
   __syncwarp();
+}
 
-  // 4. The merged list: each newcomer before the row entry at its place, after the newcomers
-  // placed there before it.
+// 4. The merged list: each newcomer before the row entry at its place, after the newcomers
+// placed there before it. Returns its length.
+__device__ __forceinline__ int merge_newcomers(const ShrinkScratch& s, int c, int m) {
+  const int lane = threadIdx.x;
   const int count = c + m;
   for (int i = lane; i < c; i += kWarpSize) {
     int newcomers_before = 0;
@@ -206,10 +242,17 @@ __device__ void shrink_row(const T* __restrict__ x, const PruneArgs& a, int64_t 
   }
   for (int j = lane; j < count; j += kWarpSize) s.flag[j] = 1;
   __syncwarp();
+  return count;
+}
 
-  // 5. The surplus: from the farthest entry towards the nearest, a covered one goes; then the
-  // farthest that are left, while too many remain.
-  int surplus = count - degree;
+// 5. The surplus: from the farthest entry towards the nearest, a covered one goes; then the
+// farthest that are left, while too many remain.
+template <typename T, int TEAM>
+__device__ __forceinline__ void drop_surplus(const T* __restrict__ x, const PruneArgs& a, int64_t v,
+                                             const ShrinkScratch& s, int count) {
+  constexpr int kTeams = kWarpSize / TEAM;
+  const int lane = threadIdx.x, team = lane / TEAM, rank = lane % TEAM;
+  int surplus = count - a.degree;
   for (int j = count - 1; j >= 0 && surplus > 0; --j) {  // warp-uniform
     const uint32_t u = s.list_id[j];
     float d_vu = s.list_dist[j];
@@ -236,74 +279,80 @@ __device__ void shrink_row(const T* __restrict__ x, const PruneArgs& a, int64_t 
     }
   }
   __syncwarp();
-
-  // 6. Kept entries in list order, -1 padded.
-  int written = 0;
-  for (int base = 0; base < count; base += kWarpSize) {
-    const int j = base + lane;
-    const bool take = j < count && s.flag[j];
-    const unsigned mask = __ballot_sync(kFullMask, take);
-    const int at = written + __popc(mask & lanes_below(lane));
-    if (take && at < degree) row[at] = static_cast<int32_t>(s.list_id[j]);
-    written += __popc(mask);
-  }
-  for (int j = min(written, degree) + lane; j < degree; j += kWarpSize) row[j] = -1;
 }
 
 template <typename T, int TEAM>
-__global__ void __launch_bounds__(kWarpSize, 32) prune_kernel(const T* __restrict__ x, PruneArgs a) {
-  constexpr int kTeams = kWarpSize / TEAM;
-  const int64_t r = blockIdx.x;
-  const int lane = threadIdx.x, team = lane / TEAM, rank = lane % TEAM;
-  extern __shared__ uint32_t scratch[];
-  float* dist = reinterpret_cast<float*>(scratch);
-  uint32_t* id = scratch + a.sort_size;
-  int* kept = reinterpret_cast<int*>(id + a.sort_size);
-  int* flag = kept + a.degree;
-  int32_t* row = a.out + r * a.degree;
-  const int64_t v = a.vertices[r];
-  if (v < 0 || v >= a.n) {  // checked on the host unless the stream is being captured
-    for (int j = lane; j < a.degree; j += kWarpSize) row[j] = -1;
-    return;
-  }
-  if (a.shrink) {
-    shrink_row<T, TEAM>(x, a, v, row, scratch);
-    return;
-  }
+__device__ void shrink_row(const T* __restrict__ x, const PruneArgs& a, int64_t v, int32_t* row, uint32_t* scratch) {
+  const ShrinkScratch s(scratch, a);
+  const RowAndNewcomers found = gather_row_and_newcomers(a, v, s);
+  rank_newcomers<T, TEAM>(x, a, v, s, found.newcomers);
+  place_newcomers<T, TEAM>(x, a, v, s, found.row, found.newcomers);
+  const int count = merge_newcomers(s, found.row, found.newcomers);
+  drop_surplus<T, TEAM>(x, a, v, s, count);
+  write_kept(row, a.degree, count, s.flag, [&](int j) { return s.list_id[j]; });  // 6.
+}
 
-  // 1. Candidates and their distances to v; everything else sorts last as (inf, kEmptyId).
-  const int64_t* cand = a.candidates + r * a.width;
+// ---- The rule of prune.h for vertex v (steps 1-4), one warp. ----
+
+struct RuleScratch {
+  float* dist;
+  uint32_t* id;  // sort keys: 2 x id, + 1 unless fixed
+  int* kept;     // list positions of the kept entries, in order
+  int* flag;     // per list position: kept
+
+  __device__ RuleScratch(uint32_t* s, const PruneArgs& a)
+      : dist(reinterpret_cast<float*>(s)),
+        id(s + a.sort_size),
+        kept(reinterpret_cast<int*>(s + 2 * a.sort_size)),
+        flag(reinterpret_cast<int*>(s + 2 * a.sort_size) + a.degree) {}
+};
+
+// 1. Candidates and their distances to v, sorted; everything else sorts last as (inf, kEmptyId).
+template <typename T, int TEAM>
+__device__ __forceinline__ void sort_candidates(const T* __restrict__ x, const PruneArgs& a, int64_t v,
+                                                const RuleScratch& s) {
+  constexpr int kTeams = kWarpSize / TEAM;
+  const int lane = threadIdx.x, team = lane / TEAM, rank = lane % TEAM;
+  const int64_t* cand = a.candidates + static_cast<int64_t>(blockIdx.x) * a.width;
   for (int j = lane; j < a.sort_size; j += kWarpSize) {
     uint32_t key = kEmptyId;  // odd, and above every real key (n < 2^30 - 1)
     if (j < a.width) {
       const int64_t w = cand[j];
       if (w >= 0 && w < a.n && w != v) key = static_cast<uint32_t>(2 * w + (j < a.fixed ? 0 : 1));
     }
-    id[j] = key;
-    dist[j] = std::numeric_limits<float>::infinity();
+    s.id[j] = key;
+    s.dist[j] = std::numeric_limits<float>::infinity();
   }
-  for (int j = lane; j < list_capacity(a); j += kWarpSize) flag[j] = 0;
+  for (int j = lane; j < list_capacity(a); j += kWarpSize) s.flag[j] = 0;
   __syncwarp();
   for (int g0 = 0; g0 < a.width; g0 += kTeams) {
     const int g = g0 + team;
-    const bool valid = g < a.width && id[g] != kEmptyId;
-    const float d = prune_distance<TEAM>(x, a, v, valid ? id[g] >> 1 : v, valid, rank);
-    if (valid && rank == 0) dist[g] = d;
+    const bool valid = g < a.width && s.id[g] != kEmptyId;
+    const float d = prune_distance<TEAM>(x, a, v, valid ? s.id[g] >> 1 : v, valid, rank);
+    if (valid && rank == 0) s.dist[g] = d;
   }
   __syncthreads();
-  bitonic<false>(dist, id, a.sort_size);
+  bitonic<false>(s.dist, s.id, a.sort_size);
+}
 
-  // 2. Repeats are adjacent now: keep the first of each (the fixed one where there is one), the
-  // nearest list_size free ones and `degree` fixed ones, compacted in place.
-  // A chunk's entries are all read before any of its writes, and writes land at or below the
-  // entry read, so no entry is overwritten before it is read.
+struct ListCounts {
+  int entries;       // the list's length
+  int fixed_listed;  // of them fixed
+};
+
+// 2. Repeats are adjacent now: keep the first of each (the fixed one where there is one), the
+// nearest list_size free ones and `degree` fixed ones, compacted in place.
+// A chunk's entries are all read before any of its writes, and writes land at or below the
+// entry read, so no entry is overwritten before it is read.
+__device__ __forceinline__ ListCounts compact_list(const PruneArgs& a, const RuleScratch& s) {
+  const int lane = threadIdx.x;
   int count = 0, free_count = 0;
   int fixed_count = a.fixed > 0 ? 0 : a.degree;  // no fixed column: that quota is full
   uint32_t before = 0xffffffffu;  // the key ahead of the chunk, as it was before compaction
   for (int base = 0; base < a.sort_size && (free_count < a.list_size || fixed_count < a.degree);
        base += kWarpSize) {
-    const uint32_t u = id[base + lane];
-    const float d = dist[base + lane];
+    const uint32_t u = s.id[base + lane];
+    const float d = s.dist[base + lane];
     uint32_t previous = __shfl_up_sync(kFullMask, u, 1);
     if (lane == 0) previous = before;
     before = __shfl_sync(kFullMask, u, kWarpSize - 1);
@@ -318,8 +367,8 @@ __global__ void __launch_bounds__(kWarpSize, 32) prune_kernel(const T* __restric
     const int at = count + __popc(take_mask & below);
     __syncwarp();
     if (take) {
-      id[at] = u;
-      dist[at] = d;
+      s.id[at] = u;
+      s.dist[at] = d;
     }
     count += __popc(take_mask);
     free_count = min(a.list_size, free_count + __popc(free_mask));
@@ -327,28 +376,34 @@ __global__ void __launch_bounds__(kWarpSize, 32) prune_kernel(const T* __restric
     __syncwarp();
     if (__any_sync(kFullMask, u == kEmptyId)) break;  // the empty keys sort last
   }
-  const int fixed_listed = a.fixed > 0 ? fixed_count : 0;
+  return {count, a.fixed > 0 ? fixed_count : 0};
+}
 
-  // 3. The rule in list order (every fixed entry kept, the free ones in the places left beside
-  // them), then the fill from the entries it dropped.
+// 3. The rule in list order (every fixed entry kept, the free ones in the places left beside
+// them), then the fill from the entries it dropped.
+template <typename T, int TEAM>
+__device__ __forceinline__ void apply_rule(const T* __restrict__ x, const PruneArgs& a, const RuleScratch& s,
+                                           ListCounts list) {
+  constexpr int kTeams = kWarpSize / TEAM;
+  const int lane = threadIdx.x, team = lane / TEAM, rank = lane % TEAM;
   int kept_count = 0;
-  int free_places = a.degree - fixed_listed;
-  for (int j = 0; j < count; ++j) {  // warp-uniform
-    const uint32_t u = id[j] >> 1;
-    const bool free = (id[j] & 1u) != 0;
+  int free_places = a.degree - list.fixed_listed;
+  for (int j = 0; j < list.entries; ++j) {  // warp-uniform
+    const uint32_t u = s.id[j] >> 1;
+    const bool free = (s.id[j] & 1u) != 0;
     if (free && free_places == 0) continue;
-    const float d_vu = dist[j];
+    const float d_vu = s.dist[j];
     bool keep = true;
     for (int g0 = 0; a.rule && free && keep && g0 < kept_count; g0 += kTeams) {
       const int g = g0 + team;
       const bool valid = g < kept_count;
-      const float d_wu = prune_distance<TEAM>(x, a, u, valid ? id[kept[g]] >> 1 : u, valid, rank);
+      const float d_wu = prune_distance<TEAM>(x, a, u, valid ? s.id[s.kept[g]] >> 1 : u, valid, rank);
       keep = !__any_sync(kFullMask, valid && rank == 0 && d_wu < d_vu);
     }
     if (keep) {
       if (lane == 0) {
-        kept[kept_count] = j;
-        flag[j] = 1;
+        s.kept[kept_count] = j;
+        s.flag[j] = 1;
       }
       ++kept_count;
       free_places -= free;
@@ -356,26 +411,40 @@ __global__ void __launch_bounds__(kWarpSize, 32) prune_kernel(const T* __restric
     }
   }
   if (lane == 0) {
-    for (int j = 0; j < count && kept_count < a.degree; ++j) {
-      if (!flag[j]) {
-        flag[j] = 1;
+    for (int j = 0; j < list.entries && kept_count < a.degree; ++j) {
+      if (!s.flag[j]) {
+        s.flag[j] = 1;
         ++kept_count;
       }
     }
   }
   __syncwarp();
+}
 
-  // 4. Kept entries in list order, -1 padded.
-  int written = 0;
-  for (int base = 0; base < count; base += kWarpSize) {
-    const int j = base + lane;
-    const bool take = j < count && flag[j];
-    const unsigned mask = __ballot_sync(kFullMask, take);
-    const int at = written + __popc(mask & lanes_below(lane));
-    if (take && at < a.degree) row[at] = static_cast<int32_t>(id[j] >> 1);
-    written += __popc(mask);
+template <typename T, int TEAM>
+__device__ __forceinline__ void prune_row(const T* __restrict__ x, const PruneArgs& a, int64_t v, int32_t* row,
+                                          uint32_t* scratch) {
+  const RuleScratch s(scratch, a);
+  sort_candidates<T, TEAM>(x, a, v, s);
+  const ListCounts list = compact_list(a, s);
+  apply_rule<T, TEAM>(x, a, s, list);
+  write_kept(row, a.degree, list.entries, s.flag, [&](int j) { return s.id[j] >> 1; });  // 4.
+}
+
+template <typename T, int TEAM>
+__global__ void __launch_bounds__(kWarpSize, 32) prune_kernel(const T* __restrict__ x, PruneArgs a) {
+  extern __shared__ uint32_t scratch[];
+  int32_t* row = a.out + static_cast<int64_t>(blockIdx.x) * a.degree;
+  const int64_t v = a.vertices[blockIdx.x];
+  if (v < 0 || v >= a.n) {  // checked on the host unless the stream is being captured
+    for (int j = threadIdx.x; j < a.degree; j += kWarpSize) row[j] = -1;
+    return;
   }
-  for (int j = min(written, a.degree) + lane; j < a.degree; j += kWarpSize) row[j] = -1;
+  if (a.shrink) {
+    shrink_row<T, TEAM>(x, a, v, row, scratch);
+  } else {
+    prune_row<T, TEAM>(x, a, v, row, scratch);
+  }
 }
 
 template <typename T, int TEAM>
