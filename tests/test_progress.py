@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torch_grnnd as grnnd
-from conftest import clustered
+from conftest import DEVICES, clustered
 
 DATA = clustered(800, 8, 5, seed=30)
 SMALL = dict(degree=8, pool_size=16, initial_degree=8)
@@ -39,6 +39,22 @@ def test_reports_show_convergence_and_end_with_done_equal_to_total():
     grnnd.build(DATA, outer_iters=3, inner_iters=4, delta=0,
                 progress=lambda done, total, changes: calls.append((done, total)), **SMALL)
     assert calls == [(d, 12) for d in range(1, 13)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_build_from_scratch_may_end_from_its_third_outer_iteration(device):
+    # With delta = 0.9 every round counts as converged, so each outer iteration runs one round and
+    # the build ends at the first outer iteration whose first round is tested
+    # (csrc/build/build_schedule.h, first_tested_outer_iteration): the third from scratch, the
+    # second for a build that starts from a graph.
+    data = DATA.to(device)
+    settings = dict(SMALL, outer_iters=8, inner_iters=4, delta=0.9)
+    rounds = []
+    graph = grnnd.build(data, progress=lambda done, total: rounds.append(done), **settings)
+    assert rounds[-1] == 3
+    rounds.clear()
+    grnnd.build(data, init=graph, progress=lambda done, total: rounds.append(done), **settings)
+    assert rounds[-1] == 2
 
 
 def test_index_and_knn_graph_report_but_do_not_keep_progress(monkeypatch):
