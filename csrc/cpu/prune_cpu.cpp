@@ -16,26 +16,29 @@ namespace grnnd {
 namespace cpu {
 namespace {
 
-// The shrink of prune.h for vertex v: the row keeps its order, and d(v, u) is computed only where
-// a newcomer's binary search or the surplus needs it.
-void shrink_row(const VectorSet& vectors, int64_t v, const int64_t* cand, int64_t width, int64_t n, int64_t degree,
-                int32_t* row) {
-  constexpr float kUnknown = std::numeric_limits<float>::quiet_NaN();
-  struct Entry {
-    int64_t id;
-    float dist;  // kUnknown until computed
-  };
-  const auto distance = [&](Entry& e) {
-    if (std::isnan(e.dist)) e.dist = vectors(v, e.id);
-    return e.dist;
-  };
-  // S1. The row in its order; the newcomers, ranked by (distance, id).
+// ---- The shrink of prune.h for vertex v: the row keeps its order, and d(v, u) is computed only
+// where a newcomer's binary search or the surplus needs it. One function a step, as the CUDA
+// twin's (prune_cuda.cu). ----
+
+struct ShrinkEntry {
+  int64_t id;
+  float dist;  // NaN until computed
+};
+
+constexpr float kUnknownDistance = std::numeric_limits<float>::quiet_NaN();
+
+float distance_to(const VectorSet& vectors, int64_t v, ShrinkEntry& e) {
+  if (std::isnan(e.dist)) e.dist = vectors(v, e.id);
+  return e.dist;
+}
+
+// S1. The row in its order (own); the newcomers, ranked by (distance, id).
+void gather_row_and_newcomers(const VectorSet& vectors, int64_t v, const int64_t* cand, int64_t width, int64_t n,
+                              int64_t degree, std::vector<ShrinkEntry>& own, std::vector<ShrinkEntry>& newcomers) {
   const int64_t row_width = std::min(width, degree);
-  std::vector<Entry> own;
   for (int64_t j = 0; j < row_width; ++j) {
-    if (cand[j] >= 0 && cand[j] < n && cand[j] != v) own.push_back({cand[j], kUnknown});
+    if (cand[j] >= 0 && cand[j] < n && cand[j] != v) own.push_back({cand[j], kUnknownDistance});
   }
-  std::vector<Entry> newcomers;
   for (int64_t j = row_width; j < width && static_cast<int64_t>(newcomers.size()) < degree; ++j) {
     const int64_t w = cand[j];
     bool take = w >= 0 && w < n && w != v;
@@ -43,16 +46,21 @@ void shrink_row(const VectorSet& vectors, int64_t v, const int64_t* cand, int64_
     for (int64_t i = row_width; take && i < j; ++i) take = cand[i] != w;
     if (take) newcomers.push_back({w, vectors(v, w)});
   }
-  std::sort(newcomers.begin(), newcomers.end(), [](const Entry& a, const Entry& b) {
+  std::sort(newcomers.begin(), newcomers.end(), [](const ShrinkEntry& a, const ShrinkEntry& b) {
     return a.dist < b.dist || (a.dist == b.dist && a.id < b.id);
   });
-  // S2. Places by binary search, never behind the place of a nearer newcomer.
+}
+
+// S2. Each newcomer's place by binary search over the row's distances, never behind the place of
+// a nearer newcomer.
+std::vector<int64_t> place_newcomers(const VectorSet& vectors, int64_t v, std::vector<ShrinkEntry>& own,
+                                     const std::vector<ShrinkEntry>& newcomers) {
   std::vector<int64_t> place(newcomers.size());
   for (size_t k = 0; k < newcomers.size(); ++k) {
     int64_t lo = 0, hi = static_cast<int64_t>(own.size());
     while (lo < hi) {
       const int64_t mid = (lo + hi) / 2;
-      if (distance(own[mid]) <= newcomers[k].dist) {
+      if (distance_to(vectors, v, own[mid]) <= newcomers[k].dist) {
         lo = mid + 1;
       } else {
         hi = mid;
@@ -60,18 +68,29 @@ void shrink_row(const VectorSet& vectors, int64_t v, const int64_t* cand, int64_
     }
     place[k] = k > 0 ? std::max(lo, place[k - 1]) : lo;
   }
-  // S3. The list.
-  std::vector<Entry> list;
+  return place;
+}
+
+// S3. The list: each newcomer before the row entry at its place, after the newcomers placed there
+// before it.
+std::vector<ShrinkEntry> merge_newcomers(const std::vector<ShrinkEntry>& own, const std::vector<ShrinkEntry>& newcomers,
+                                         const std::vector<int64_t>& place) {
+  std::vector<ShrinkEntry> list;
   list.reserve(own.size() + newcomers.size());
   for (size_t i = 0, k = 0; i <= own.size(); ++i) {
     for (; k < newcomers.size() && place[k] <= static_cast<int64_t>(i); ++k) list.push_back(newcomers[k]);
     if (i < own.size()) list.push_back(own[i]);
   }
-  // S4. The surplus, covered ones first, from the farthest.
+  return list;
+}
+
+// S4. The surplus over `degree`: covered entries first, from the farthest, then the farthest left.
+// Returns a kept flag per list entry.
+std::vector<char> drop_surplus(const VectorSet& vectors, int64_t v, std::vector<ShrinkEntry>& list, int64_t degree) {
   std::vector<char> kept(list.size(), 1);
   int64_t surplus = static_cast<int64_t>(list.size()) - degree;
   for (int64_t j = static_cast<int64_t>(list.size()) - 1; j >= 0 && surplus > 0; --j) {
-    const float d_vu = distance(list[j]);
+    const float d_vu = distance_to(vectors, v, list[j]);
     bool covered = false;
     for (int64_t w = 0; w < j && !covered; ++w) covered = vectors(list[w].id, list[j].id) < d_vu;
     if (covered) {
@@ -85,7 +104,17 @@ void shrink_row(const VectorSet& vectors, int64_t v, const int64_t* cand, int64_
       --surplus;
     }
   }
-  // S5.
+  return kept;
+}
+
+void shrink_row(const VectorSet& vectors, int64_t v, const int64_t* cand, int64_t width, int64_t n, int64_t degree,
+                int32_t* row) {
+  std::vector<ShrinkEntry> own, newcomers;
+  gather_row_and_newcomers(vectors, v, cand, width, n, degree, own, newcomers);
+  const std::vector<int64_t> place = place_newcomers(vectors, v, own, newcomers);
+  std::vector<ShrinkEntry> list = merge_newcomers(own, newcomers, place);
+  const std::vector<char> kept = drop_surplus(vectors, v, list, degree);
+  // S5. Kept entries in list order (the row was filled with -1).
   int64_t at = 0;
   for (size_t j = 0; j < list.size() && at < degree; ++j) {
     if (kept[j]) row[at++] = static_cast<int32_t>(list[j].id);
