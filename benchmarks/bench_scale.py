@@ -28,7 +28,8 @@ clusters), and "rare", from clusters chosen uniformly (most clusters are small, 
 rare categories a search must not miss; for blobs and aniso the two are alike).
 For each set and build configuration (build settings as "name=value,..."; "" = the defaults):
 build time (CUDA events), rounds run and the pool entries each changed, the out-degree
-summary, the share of rows a search cannot reach from the hubs (breadth-first search), and
+summary, the share of rows a search cannot reach from the hubs (breadth-first search) and of
+sampled rows a search for the row itself misses (grnnd.diagnostics.unfound_share), and
 recall@10 of both query sets against exact results (torch_grnnd.knn) and queries/s (batch
 10 000, the in queries) at each list of
 --lists (32, 64 and 128 by default), with the default entry points and with random ones only
@@ -73,7 +74,8 @@ def measure(base, queries, truth, settings: dict, lists, labels, rare) -> dict:
     row = {"build": settings, "build_s": secs, "rounds": len(rounds), "changes": rounds,
            "peak_extra_bytes": peak, "pool_bound_bytes": 1.1 * 2 * base.shape[0] * pool_size * 8,
            "degree": grnnd.diagnostics.degree_summary(graph),
-           "degree_histogram": torch.bincount((graph >= 0).sum(1)).tolist(), "unreachable_from_hubs": unreachable}
+           "degree_histogram": torch.bincount((graph >= 0).sum(1)).tolist(), "unreachable_from_hubs": unreachable,
+           "unfound_share": grnnd.diagnostics.unfound_share(base, graph)}
     # Recall on the held-out queries; queries/s on a batch of 10 000 (the queries ten times over).
     batch = queries.repeat(10, 1)
     # Distances a query computes, for comparisons at equal work (HNSW's in hnsw_reference).
@@ -158,7 +160,8 @@ def main():
                   f"{row['rounds']:2d} rounds, peak extra {row['peak_extra_bytes'] / 2**20:,.0f} MiB "
                   f"(bound {row['pool_bound_bytes'] / 2**20:,.0f}), "
                   f"degree min {row['degree']['min']} mean {row['degree']['mean']:.1f}, "
-                  f"unreachable {row['unreachable_from_hubs']}, recall@10 list {'/'.join(map(str, lists))} "
+                  f"unreachable {row['unreachable_from_hubs']}, unfound {row['unfound_share']:.4f}, "
+                  f"recall@10 list {'/'.join(map(str, lists))} "
                   + "/".join(f"{row['recall'][s]:.3f}" for s in lists) + " (random entries "
                   + "/".join(f"{row['recall_random_entries'][s]:.3f}" for s in lists) + "), rare queries "
                   + "/".join(f"{row['recall_rare'][s]:.3f}" for s in lists) + ", queries/s "
@@ -193,11 +196,12 @@ def write(rows, args):
              "float16 rows, L2, 1000 held-out queries, recall@10 against exact results (`grnnd.knn`); "
              "hub / random: the default entry points / random entry points only; queries/s on a batch of "
              "10 000 with the default entry points; peak: GPU memory the build needs beyond the data, against "
-             "2 N R 8 bytes + 10%. Degree histograms in the JSON.", "",
-             "| data | N | D | build | s | rounds | peak / bound MiB | degree min / p1 / mean | unreachable | "
+             "2 N R 8 bytes + 10%; unfound: the share of 10 000 sampled rows that a search for the row itself "
+             "(list 16) misses (`grnnd.diagnostics.unfound_share`). Degree histograms in the JSON.", "",
+             "| data | N | D | build | s | rounds | peak / bound MiB | degree min / p1 / mean | unreachable | unfound | "
              f"recall list {' / '.join(map(str, lists))} (hub entries) | rare queries | queries/s | "
              "(random entries) | distances/query |",
-             "|---|---:|---:|---|---:|---:|---|---|---:|---|---|---|---|---|"]
+             "|---|---:|---:|---|---:|---:|---|---|---:|---:|---|---|---|---|---|"]
     clusters = ["", "Recall@10 at list 64 (default entries) by the size of the query's cluster, and the share "
                 "of returned rows that lie in the query's cluster:", "",
                 "| data | N | D | build | query set | cluster rows | queries | recall | in own cluster |",
@@ -206,7 +210,7 @@ def write(rows, args):
         if "hnsw" in r:
             h = r["hnsw"]
             lines.append(f"| {r['family']} | {r['n']:,} | {r['d']} | faiss-cpu HNSW M=32 efC=40 ({h['threads']} threads) | "
-                         f"{h['build_s']:.1f} | | | | | " + " / ".join(f"{v:.3f}" for v in h["recall"].values())
+                         f"{h['build_s']:.1f} | | | | | | " + " / ".join(f"{v:.3f}" for v in h["recall"].values())
                          + " (efSearch) | | | | " + " / ".join(f"{v:,.0f}" for v in h["distances_per_query"].values())
                          + " |")
             continue
@@ -217,9 +221,10 @@ def write(rows, args):
                                 f"{group['in_own_cluster']:.3f} |")
         deg = r["degree"]
         unreachable = "-" if r["unreachable_from_hubs"] is None else f"{r['unreachable_from_hubs']:.2e}"
+        unfound = f"{r['unfound_share']:.4f}" if "unfound_share" in r else "-"  # runs before it was measured
         lines.append(f"| {r['family']} | {r['n']:,} | {r['d']} | {describe(r['build'])} | {r['build_s']:.2f} | "
                      f"{r['rounds']} | {r['peak_extra_bytes'] / 2**20:,.0f} / {r['pool_bound_bytes'] / 2**20:,.0f} | "
-                     f"{deg['min']} / {deg['p1']:.0f} / {deg['mean']:.1f} | {unreachable} | "
+                     f"{deg['min']} / {deg['p1']:.0f} / {deg['mean']:.1f} | {unreachable} | {unfound} | "
                      + " / ".join(f"{r['recall'][s]:.3f}" for s in lists) + " | "
                      + " / ".join(f"{r['recall_rare'][s]:.3f}" for s in lists) + " | "
                      + " / ".join(f"{r['recall_qps'][s] / 1e6:.2f}M" for s in lists) + " | "

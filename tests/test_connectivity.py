@@ -324,3 +324,18 @@ def test_hub_entries_are_ignored_without_hubs():
     assert torch.equal(a[1], b[1])
     with pytest.raises(ValueError, match="hub_entries: expected -1"):
         grnnd.search(data, graph, data[:5], 5, hub_entries=-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unfound_share_counts_the_rows_a_search_for_themselves_misses(device):
+    data = clustered(3000, 16, 20, seed=41).to(device)
+    graph = grnnd.build(data)
+    assert grnnd.diagnostics.unfound_share(data, graph) < 0.01
+    # Every edge into 300 rows removed: a search reaches them only where it starts on one.
+    cut = torch.arange(0, 3000, 10, device=device)
+    severed = torch.where(torch.isin(graph.long(), cut), -1, graph)
+    severed = severed.gather(1, torch.argsort((severed < 0).to(torch.int8), dim=1, stable=True))  # -1 last
+    share = grnnd.diagnostics.unfound_share(data, severed)
+    assert 0.09 <= share <= 0.1 + 0.01
+    # A sample of 500 rows estimates the same share (binomial spread about 0.013).
+    assert abs(grnnd.diagnostics.unfound_share(data, severed, sample=500) - share) < 0.05

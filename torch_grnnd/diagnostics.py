@@ -1,9 +1,10 @@
-"""What a built graph looks like: out-degrees and which vertices a search can reach.
+"""What a built graph looks like: out-degrees, which vertices a search can reach, and which it finds.
 
 A graph search only finds vertices it can walk to from its entry points, and only walks well
 through vertices with enough out-edges. These functions measure both on any device, without
 leaving it (plain tensor operations; a breadth-first search costs one host synchronisation per
-level).
+level). A row that is reachable may still be missed by a search that heads for it:
+:func:`unfound_share` measures that, by searching for rows themselves.
 
 Example:
     >>> import torch, torch_grnnd as grnnd
@@ -17,6 +18,8 @@ from typing import Dict
 
 import torch
 from torch import Tensor
+
+from . import ops
 
 
 def out_degrees(graph: Tensor) -> Tensor:
@@ -90,3 +93,23 @@ def nearest_hubs(data: Tensor, queries: Tensor, k: int, metric: str = "l2") -> T
     """int64 [q, min(k, hubs)]: for each query, the ids of its ``k`` nearest hubs among ``data``'s
     rows, nearest first, as the search picks its entry points (no columns under 16 000 rows)."""
     return torch.ops.grnnd.nearest_hubs(data, queries, k, metric=metric)
+
+
+def unfound_share(data: Tensor, graph: Tensor, metric: str = "l2", sample: int = 10_000, list_size: int = 16,
+                  seed: int = 0) -> float:
+    """The share of rows that a search for the row itself misses: ``sample`` rows drawn at random
+    (all of them when there are fewer), each searched for as a query with a list of ``list_size``,
+    counted as missed when its own id is not among the 4 results (under inner product a row need
+    not be its own best match, so there it measures the rows a search fails to return among
+    their own four). Rows a search cannot find are where a graph still lacks the links into its
+    sparse regions: small clusters inside large ones keep it high while more build rounds lower it,
+    large low-contrast clusters keep it high whatever the rounds (benchmarks/README.md, "Where
+    builds stop"). One search of ``sample`` queries."""
+    n = data.shape[0]
+    if n == 0:
+        return 0.0
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(n, generator=generator)[:sample].to(data.device)
+    _, ids = ops.search(data, graph, data[rows], min(4, n), metric=metric, list_size=max(list_size, min(4, n)))
+    found = (ids == rows.unsqueeze(1).to(ids.dtype)).any(1)
+    return float((~found).double().mean())
