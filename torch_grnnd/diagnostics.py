@@ -110,6 +110,7 @@ def unfound_share(data: Tensor, graph: Tensor, metric: str = "l2", sample: int =
         return 0.0
     generator = torch.Generator().manual_seed(seed)
     rows = torch.randperm(n, generator=generator)[:sample].to(data.device)
-    _, ids = ops.search(data, graph, data[rows], min(4, n), metric=metric, list_size=max(list_size, min(4, n)))
+    k = min(4, n)
+    _, ids = ops.search(data, graph, data[rows], k, metric=metric, list_size=max(list_size, k))
     found = (ids == rows.unsqueeze(1).to(ids.dtype)).any(1)
     return float((~found).double().mean())
