@@ -27,7 +27,8 @@ Two query sets per set, 1000 queries each: "in", drawn like the rows (mostly fro
 clusters), and "rare", from clusters chosen uniformly (most clusters are small, so these are the
 rare categories a search must not miss; for blobs and aniso the two are alike).
 For each set and build configuration (build settings as "name=value,..."; "" = the defaults):
-build time (CUDA events), rounds run and the pool entries each changed, the out-degree
+build time (CUDA events), rounds run and the pool entries each changed (and the unfound shares
+the build measured between its outer iterations, in the JSON), the out-degree
 summary, the share of rows a search cannot reach from the hubs (breadth-first search) and of
 sampled rows a search for the row itself misses (grnnd.diagnostics.unfound_share), and
 recall@10 of both query sets against exact results (torch_grnnd.knn) and queries/s (batch
@@ -59,8 +60,14 @@ LISTS = (32, 64, 128)  # list sizes measured by default; 64 is the one the PNG a
 def measure(base, queries, truth, settings: dict, lists, labels, rare) -> dict:
     """One build of base and its search; labels: (base_labels, query_labels), make_set's clusters;
     rare: (queries, truth, labels) of make_rare_queries."""
-    rounds = []
-    grnnd.build(base, progress=lambda done, total, changes: rounds.append(changes), **settings)
+    rounds, measured = [], []
+
+    def report(done, total, changes, unfound):
+        rounds.append(changes)
+        if unfound is not None and (not measured or measured[-1] != unfound):
+            measured.append(unfound)
+
+    grnnd.build(base, progress=report, **settings)
     # Progress costs a synchronisation per round; time the build again without it, and take the
     # peak GPU memory it needs beyond the data (issue bound: 2 * N * pool_size * 8 bytes + 10%).
     torch.cuda.synchronize()
@@ -71,7 +78,7 @@ def measure(base, queries, truth, settings: dict, lists, labels, rare) -> dict:
     pool_size = settings.get("pool_size", BuildParams().pool_size)
     hubs = grnnd.diagnostics.hubs(base)
     unreachable = float((~grnnd.diagnostics.reachable(graph, hubs)).double().mean()) if hubs.numel() else None
-    row = {"build": settings, "build_s": secs, "rounds": len(rounds), "changes": rounds,
+    row = {"build": settings, "build_s": secs, "rounds": len(rounds), "changes": rounds, "build_unfound": measured,
            "peak_extra_bytes": peak, "pool_bound_bytes": 1.1 * 2 * base.shape[0] * pool_size * 8,
            "degree": grnnd.diagnostics.degree_summary(graph),
            "degree_histogram": torch.bincount((graph >= 0).sum(1)).tolist(), "unreachable_from_hubs": unreachable,
@@ -160,7 +167,8 @@ def main():
                   f"{row['rounds']:2d} rounds, peak extra {row['peak_extra_bytes'] / 2**20:,.0f} MiB "
                   f"(bound {row['pool_bound_bytes'] / 2**20:,.0f}), "
                   f"degree min {row['degree']['min']} mean {row['degree']['mean']:.1f}, "
-                  f"unreachable {row['unreachable_from_hubs']}, unfound {row['unfound_share']:.4f}, "
+                  f"unreachable {row['unreachable_from_hubs']}, unfound {row['unfound_share']:.4f} "
+                  f"(measured in the build: {' '.join(f'{u:.4f}' for u in row['build_unfound']) or '-'}), "
                   f"recall@10 list {'/'.join(map(str, lists))} "
                   + "/".join(f"{row['recall'][s]:.3f}" for s in lists) + " (random entries "
                   + "/".join(f"{row['recall_random_entries'][s]:.3f}" for s in lists) + "), rare queries "

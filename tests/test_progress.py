@@ -57,6 +57,39 @@ def test_a_build_from_scratch_may_end_from_its_third_outer_iteration(device):
     assert rounds[-1] == 2
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_build_goes_on_while_its_outer_iterations_make_rows_findable(device):
+    # One round per outer iteration and a delta whose change test every round passes (a round
+    # changes at most N x pool_size entries, under 10 x delta x N x pool_size): what ends the
+    # build is the share of sampled rows that a search of the pools' graph misses, measured after
+    # each outer iteration from the second on (csrc/build/build_schedule.h, unfound_share). The
+    # build ends after the first outer iteration from the third on that lowered it by at most
+    # delta / 2. Few initial neighbours and a random start leave the graph of the first outer
+    # iterations hard to search, so here it goes on past the third.
+    data = clustered(3000, 16, 3, seed=30).to(device)
+    delta = 0.2
+    calls = []
+    grnnd.build(data, degree=8, pool_size=12, initial_degree=4, outer_iters=12, inner_iters=1, delta=delta,
+                start="random", progress=lambda done, total, changes, unfound: calls.append((done, unfound)))
+    rounds = calls[-1][0]
+    assert rounds > 3 and calls[-1] != calls[-2]  # the last report: the build converged
+    assert [u for _, u in calls[:2]] == [None, None]  # nothing measured before the second outer iteration
+    # The report of round r carries the share measured after round r - 1; the last report the
+    # share after the last round.
+    shares = [u for _, u in calls[2:]]
+    assert len(shares) == rounds - 1 and all(0 <= u <= 1 for u in shares)
+    falls = [before - after for before, after in zip(shares, shares[1:])]
+    assert all(f > delta / 2 for f in falls[:-1]) and falls[-1] <= delta / 2
+    # Without convergence (delta = 0) or from a graph nothing is measured.
+    calls.clear()
+    graph = grnnd.build(data, progress=lambda done, total, changes, unfound: calls.append(unfound), **FIXED)
+    assert calls == [None] * 4
+    calls.clear()
+    grnnd.build(data, init=graph, delta=0.02, progress=lambda done, total, changes, unfound: calls.append(unfound),
+                **SMALL)
+    assert calls and all(u is None for u in calls)
+
+
 def test_index_and_knn_graph_report_but_do_not_keep_progress(monkeypatch):
     calls = []
     index = grnnd.Index.build(DATA, progress=lambda d, t: calls.append(d), **FIXED)
@@ -72,7 +105,7 @@ def test_index_and_knn_graph_report_but_do_not_keep_progress(monkeypatch):
     assert calls[0] == 1 and calls.count(1) == 2  # one build per example
 
 
-def cancel(done, total, changes=0):
+def cancel(done, total, changes=0, unfound=None):
     raise KeyboardInterrupt
 
 

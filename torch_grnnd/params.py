@@ -101,8 +101,11 @@ class BuildParams(_Settings):
         delta: [delta] convergence: a round that changes at most ``delta * N * pool_size`` pool
             entries ends its outer iteration, and an outer iteration whose first round changes at
             most ten times that ends the build, from the third outer iteration on (the second for a
-            build from ``init``), so ``outer_iters`` and ``inner_iters`` are caps. 0 runs every
-            round (seed 000's fixed schedule).
+            build from ``init``), so ``outer_iters`` and ``inner_iters`` are caps. A build from
+            scratch also searches for a sample of 4 096 of its rows in the graph so far after each
+            outer iteration from the second on, and an outer iteration that lowered the share it
+            misses by more than ``delta / 2`` does not end it (rows of tiny clusters inside big
+            ones become findable late). 0 runs every round (seed 000's fixed schedule).
         start: ``"hubs"``: most initial neighbours come from the cells of each row's two nearest
             hubs (a sample of one row in 1000, found by matrix products), a start that is already
             local; ``"random"``: all uniform (seed 000). Below 16 000 rows both are uniform.

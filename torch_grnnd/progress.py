@@ -1,17 +1,21 @@
 """Progress of long builds: a tqdm bar, log lines, or a callback of your own.
 
 The build kernels report after each update round through a hook in the extension
-(csrc/core/progress.h), with how many pool entries the round changed: the build stops once that
-falls below ``delta * N * pool_size`` (:class:`~torch_grnnd.BuildParams`), so the reports show
-it converging. ``progress`` arguments accept:
+(csrc/core/progress.h), with how many pool entries the round changed and, from the second outer
+iteration of a build from scratch on, the share of a sample of rows that a search of the graph so
+far does not find: the build stops once a round changes few entries and an outer iteration no
+longer makes many rows findable (:class:`~torch_grnnd.BuildParams`, ``delta``), so the reports
+show it converging. ``progress`` arguments accept:
 
 - ``False`` (default): no reports, and no cost.
 - ``True``: a tqdm bar when tqdm is installed, else one ``INFO`` record per round on the
   ``"torch_grnnd"`` logger (``logging.basicConfig(level=logging.INFO)`` shows them).
-- a callable ``progress(done, total)`` or ``progress(done, total, changes)``: the rounds done,
-  the most the build may run (``outer_iters * inner_iters``; equal to ``done`` in the last report
-  of a build that converged early) and the pool entries the round changed. Raising from it
-  stops the build and the exception propagates.
+- a callable ``progress(done, total)``, ``progress(done, total, changes)`` or
+  ``progress(done, total, changes, unfound)``: the rounds done, the most the build may run
+  (``outer_iters * inner_iters``; equal to ``done`` in the last report of a build that converged
+  early), the pool entries the round changed, and the last measured unfound share (``None``
+  before the first measure, and in builds that take none: ``delta=0`` or a start from ``init``).
+  Raising from it stops the build and the exception propagates.
 
 On CUDA a report waits for the round to finish (one stream synchronisation); inside
 ``torch.compile`` progress is ignored, so compiled code never syncs for it.
@@ -28,7 +32,7 @@ import contextlib
 import inspect
 import logging
 import time
-from typing import Callable, Iterator, Tuple, TypeVar, Union
+from typing import Callable, Iterator, Optional, Tuple, TypeVar, Union
 
 import torch
 
@@ -56,29 +60,45 @@ def _default_reporter(what: str):
     except ImportError:
         start = time.perf_counter()
 
-        def log(done: int, total: int, changes: int) -> None:
-            logger.info("%s: round %d of at most %d done after %.2f s, %d pool entries changed", what, done, total,
-                        time.perf_counter() - start, changes)
+        def log(done: int, total: int, changes: int, unfound: Optional[float] = None) -> None:
+            logger.info("%s: round %d of at most %d done after %.2f s, %d pool entries changed%s", what, done, total,
+                        time.perf_counter() - start, changes,
+                        "" if unfound is None else f", {unfound:.3f} of the sampled rows unfound")
 
         return log, lambda: None
 
     bar = tqdm(desc=f"torch_grnnd {what}", unit="round", leave=False)
 
-    def update(done: int, total: int, changes: int) -> None:
+    def update(done: int, total: int, changes: int, unfound: Optional[float] = None) -> None:
         bar.total = total  # known from the first report on; shrinks when the build converges
-        bar.set_postfix(changed=changes, refresh=False)
+        if unfound is None:
+            bar.set_postfix(changed=changes, refresh=False)
+        else:
+            bar.set_postfix(changed=changes, unfound=f"{unfound:.3f}", refresh=False)
         bar.update(done - bar.n)
 
     return update, bar.close
 
 
-def _takes_changes(fn: Callable[..., None]) -> bool:
-    """Whether a user's callback takes the third argument, ``changes``."""
-    try:
-        inspect.signature(fn).bind(0, 0, 0)
-        return True
-    except (TypeError, ValueError):
-        return False
+def _arguments(fn: Callable[..., None]) -> int:
+    """How many of (done, total, changes, unfound) a user's callback takes: 2, 3 or 4."""
+    for count in (4, 3):
+        try:
+            inspect.signature(fn).bind(*range(count))
+            return count
+        except (TypeError, ValueError):
+            continue
+    return 2
+
+
+def _user_reporter(fn: Callable[..., None]) -> Callable[[int, int, int, Optional[float]], None]:
+    """``report(done, total, changes, unfound)`` calling ``fn`` with the arguments it takes."""
+    count = _arguments(fn)
+    if count == 4:
+        return fn
+    if count == 3:
+        return lambda done, total, changes, _unfound: fn(done, total, changes)
+    return lambda done, total, _changes, _unfound: fn(done, total)
 
 
 def steps_reporter(progress: Progress, what: str) -> Tuple[Callable[[int, int], None], Callable[[], None]]:
@@ -87,10 +107,10 @@ def steps_reporter(progress: Progress, what: str) -> Tuple[Callable[[int, int], 
     if not progress:
         return (lambda done, total: None), (lambda: None)
     if callable(progress):
-        report = progress if _takes_changes(progress) else (lambda done, total, _changes: progress(done, total))
-        return (lambda done, total: report(done, total, 0)), (lambda: None)
+        report = _user_reporter(progress)
+        return (lambda done, total: report(done, total, 0, None)), (lambda: None)
     report, close = _default_reporter(what)
-    return (lambda done, total: report(done, total, 0)), close
+    return (lambda done, total: report(done, total, 0, None)), close
 
 
 @contextlib.contextmanager
@@ -100,16 +120,15 @@ def reporting(progress: Progress, what: str = "build") -> Iterator[None]:
         yield
         return
     if callable(progress):
-        user = progress
-        report = user if _takes_changes(user) else (lambda done, total, _changes: user(done, total))
+        report = _user_reporter(progress)
         close = lambda: None  # noqa: E731
     else:
         report, close = _default_reporter(what)
     raised = []
 
-    def callback(done: int, total: int, changes: int) -> None:
+    def callback(done: int, total: int, changes: int, unfound: float = -1.0) -> None:
         try:
-            report(done, total, changes)
+            report(done, total, changes, None if unfound < 0 else unfound)
         except BaseException as error:
             raised.append(error)  # re-raised below, in place of the kernel's RuntimeError
             raise

@@ -11,7 +11,8 @@
 // iteration while the last fell to 0.0015 N R). So the build ends after an outer iteration whose
 // first round changed at most kOuterDelta * delta * N * pool_size entries; the first outer
 // iteration, whose first round follows no reverse edges, never ends it this way, and neither does
-// the second of a build from scratch (first_tested_outer_iteration). T1 and T2 are caps.
+// the second of a build from scratch (first_tested_outer_iteration), nor one that made more of
+// its rows findable by a search than delta / 2 of them (unfound_share, below). T1 and T2 are caps.
 // With a start from hubs the change curves of 1M and 4M rows were the same, round for round, and
 // recall@10 at list 64 after 18 rounds (the last changing 0.0096 N R) was within 0.001 of 60
 // rounds; from a random start 4M rows still changed 0.046 N R after 18 rounds and recalled 0.79
@@ -113,6 +114,31 @@ inline int64_t counted_rows(const Split& split, int64_t n) { return split.grows 
 
 constexpr double kOuterDelta = 10.0;
 
+// The counts of changed pool entries say when the pools have settled, but not whether the
+// graph they make still gains reach: the rounds improve every part of the pools at about the
+// same pace (per row, the rows of clusters of under 10 rows changed no more entries in any round
+// than those of clusters of 1 000 and more: zipf_tiny 100k x 128, CPU), yet on data of many tiny
+// clusters inside big ones a row that a search cannot find becomes findable in later outer
+// iterations when elsewhere nothing more is found (benchmarks/README.md, "Where builds stop").
+// So a build from scratch also measures that reach between outer iterations: the share of a
+// fixed sample of rows that a search of the pools' graph for each row misses (unfound_share),
+// and an outer iteration that made more than kFoundShareOfDelta * delta of the sample findable
+// does not end the build. kUnfoundSample rows (all of them below it), searched with a list of
+// kUnfoundList for their kUnfoundK nearest, as grnnd.diagnostics.unfound_share measures a built
+// graph (there 10 000 random rows by default). A search of 4 096 rows costs the CPU about a sixth
+// of an outer iteration (100k x 128 float16 rows, 2 threads); on the GPU (one H200, 1M x 384) the
+// two searches of a build that ends after its third outer iteration cost 1-2% of the build.
+constexpr int64_t kUnfoundSample = 4096;
+constexpr int64_t kUnfoundList = 16;
+constexpr int64_t kUnfoundK = 4;
+constexpr double kFoundShareOfDelta = 0.5;
+
+// The share of the sample rows (hubs.h, strata_rows: a function of N) that a search of `graph`
+// (the pools' rows so far, -1 padded) for each of them, with the build's `metric`, does not
+// return among its kUnfoundK results. One search of at most kUnfoundSample queries; on the GPU
+// one host synchronisation.
+double unfound_share(const at::Tensor& data, const at::Tensor& graph, c10::string_view metric);
+
 // The first outer iteration (0-based) whose first round may end a build. The first round after
 // the first reverse edges changes about as many entries as the line on every family, so a build
 // from scratch that stopped there stopped by chance; its test starts an outer iteration later
@@ -123,16 +149,23 @@ inline int first_tested_outer_iteration(bool from_graph) { return from_graph ? 1
 // from_graph: the build starts from entries it is given (start_entries). update(order, round,
 // count) runs update round `round` (1-based, the random streams' counter) in `order` and returns
 // the pool entries it changed when `count` is true (on the GPU counting costs a host
-// synchronisation); reverse() samples reverse edges. Reports (rounds done, T1 x T2, changes)
-// after each round, and (done, done, changes) at the end of a build that converged before the
-// cap. Returns the rounds run.
-template <typename Update, typename Reverse>
-int64_t run_schedule(const BuildParams& p, int64_t n, bool from_graph, Update&& update, Reverse&& reverse) {
+// synchronisation); reverse() samples reverse edges; unfound() measures the current pools'
+// unfound_share (after reverse(), from the outer iteration before the first tested one on, in
+// builds from scratch that converge and have an outer iteration left). Reports (rounds done,
+// T1 x T2, changes, the last unfound share or -1) after each round, and (done, done, changes,
+// unfound) at the end of a build that converged before the cap. Returns the rounds run.
+template <typename Update, typename Reverse, typename Unfound>
+int64_t run_schedule(const BuildParams& p, int64_t n, bool from_graph, Update&& update, Reverse&& reverse,
+                     Unfound&& unfound) {
   const bool converge = p.delta > 0;
   const bool report = progress_requested();
   const int64_t cap = static_cast<int64_t>(p.outer_iters) * p.inner_iters;
   const int first_tested = first_tested_outer_iteration(from_graph);
+  // A build from a graph starts from rows a search already finds; its new rows are few or
+  // settle with the rest (merges, growing adds), and the change counts alone decide its end.
+  const bool probes = converge && !from_graph;
   int64_t done = 0, changes = 0;
+  double unfound_rows = -1;  // the last measured unfound share; -1 before the first
   uint32_t round = 0;
   for (int t1 = 0; t1 < p.outer_iters; ++t1) {
     const UpdateOrder order = order_for_iteration(p.update_order, t1, p.outer_iters);
@@ -147,15 +180,20 @@ int64_t run_schedule(const BuildParams& p, int64_t n, bool from_graph, Update&& 
       if (t2 == 0 && t1 >= first_tested) {
         settled = converge && static_cast<double>(changes) <= kOuterDelta * p.converged_changes(n);
       }
-      if (report) report_progress(done, cap, changes);
+      if (report) report_progress(done, cap, changes, unfound_rows);
     }
     // Unlike Algorithm 3 (line 12), the last outer iteration samples reverse edges too: the
     // returned rows then also hold incoming RNG edges, which makes the sparse pruned graph
     // easier to navigate at no distance cost (recall@10 at list 64 on 5000 x 32 clusters:
     // 0.947 -> 0.962).
     if (p.reverse_ratio > 0) reverse();
+    if (probes && t1 + 1 >= first_tested && t1 + 1 < p.outer_iters) {
+      const double before = unfound_rows;
+      unfound_rows = unfound();
+      if (before >= 0 && before - unfound_rows > kFoundShareOfDelta * p.delta) settled = false;
+    }
     if (settled) {
-      if (report && done < cap) report_progress(done, done, changes);
+      if (report && done < cap) report_progress(done, done, changes, unfound_rows);
       return done;
     }
   }

@@ -15,8 +15,9 @@ int64_t hub_count(int64_t n) {
   return count < kMinHubs ? 0 : std::min(count, kMaxHubs);
 }
 
-at::Tensor hub_ids(int64_t n, const at::TensorOptions& options) {
-  const int64_t count = hub_count(n);
+at::Tensor hub_ids(int64_t n, const at::TensorOptions& options) { return strata_rows(n, hub_count(n), options); }
+
+at::Tensor strata_rows(int64_t n, int64_t count, const at::TensorOptions& options) {
   const at::Tensor j = at::arange(count, options.dtype(at::kLong));
   // hub_row, element-wise (so that it stays capturable in a CUDA graph: no copy from the host).
   const at::Tensor begin = at::floor_divide(j * n, count);

@@ -46,6 +46,11 @@ GRNND_HOST_DEVICE int64_t hub_row(int64_t j, int64_t n, int64_t count) {
 // (hub_row for every j, as tensor operations on the device of `options`).
 at::Tensor hub_ids(int64_t n, const at::TensorOptions& options);
 
+// hub_row for every j < count: `count` rows of n (count <= n), one in each stratum, as an int64
+// tensor on the device of `options`. The hubs, and the build's sample of rows it searches for
+// (build_schedule.h, unfound_share).
+at::Tensor strata_rows(int64_t n, int64_t count, const at::TensorOptions& options);
+
 // For each row of `rows` [m, D], positions (into `hubs` [h, D]) of its k nearest hubs, nearest
 // first: int64 [m, k]. Ranking as the metric ranks: kL2 |r - h|^2, kIP -<r, h>, kCosine
 // -<r, h> / |h| (rows already normalised). Lifted rows (inner product built on l2, params.h)

@@ -38,14 +38,14 @@ std::string describe_python_error() {
 
 bool progress_requested() { return progress_callback != nullptr; }
 
-void report_progress(int64_t done, int64_t total, int64_t changes) {
+void report_progress(int64_t done, int64_t total, int64_t changes, double unfound) {
   if (progress_callback == nullptr) return;
   const PyGILState_STATE gil = PyGILState_Ensure();
   // The callback may replace itself; hold our own reference for the call.
   PyObject* callback = progress_callback;
   Py_INCREF(callback);
-  PyObject* result = PyObject_CallFunction(callback, "LLL", static_cast<long long>(done), static_cast<long long>(total),
-                                           static_cast<long long>(changes));
+  PyObject* result = PyObject_CallFunction(callback, "LLLd", static_cast<long long>(done), static_cast<long long>(total),
+                                           static_cast<long long>(changes), unfound);
   Py_DECREF(callback);
   std::string error;
   if (result == nullptr) {

@@ -14,12 +14,14 @@ namespace grnnd {
 // for the stream synchronisation that makes a report true.
 bool progress_requested();
 
-// Calls the callback with (done, total, changes): rounds done, the most the build may run (less
-// once it has converged: the last report has done == total), and the pool entries the last
-// round changed. Takes the GIL for the call (ops run without it).
+// Calls the callback with (done, total, changes, unfound): rounds done, the most the build may
+// run (less once it has converged: the last report has done == total), the pool entries the
+// last round changed, and the share of a sample of rows that a search of the graph so far did
+// not find at the last measure (build_schedule.h, unfound_share; -1 before it is measured).
+// Takes the GIL for the call (ops run without it).
 // An exception raised by the callback stops the build: it is rethrown as a c10::Error, and
 // the Python side re-raises the original exception (so Ctrl-C during a build cancels it).
-void report_progress(int64_t done, int64_t total, int64_t changes);
+void report_progress(int64_t done, int64_t total, int64_t changes, double unfound = -1);
 
 }  // namespace grnnd
 

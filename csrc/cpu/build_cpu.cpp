@@ -306,6 +306,28 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
   const at::Tensor init_entries = start_entries(init, data, p);
   initialise(vectors, n, p, p.start == Start::kHubs ? partition_cells(x, lift) : Cells{}, init_entries, split, pools);
   int read = 0;
+  // The pools as a graph: each pool sorted by distance, cut to `degree`, -1 padded. The build's
+  // result before its fill, and what the unfound share is measured on between outer iterations.
+  auto pools_graph = [&] {
+    at::Tensor graph = at::full({n, p.degree}, -1, data.options().dtype(at::kInt).device(at::kCPU));
+    int32_t* out = graph.data_ptr<int32_t>();
+    at::parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
+      std::vector<int> order;
+      for (int64_t v = begin; v < end; ++v) {
+        const int count = pools.count(read, v);
+        const uint32_t* slot = pools.slots(read, v);
+        const float* dist = pools.dists(read, v);
+        order.resize(count);
+        std::iota(order.begin(), order.end(), 0);
+        const int kept = std::min(count, p.degree);
+        std::partial_sort(order.begin(), order.begin() + kept, order.end(), [&](int a, int b) {
+          return dist[a] < dist[b] || (dist[a] == dist[b] && slot_id(slot[a]) < slot_id(slot[b]));
+        });
+        for (int j = 0; j < kept; ++j) out[v * p.degree + j] = slot_id(slot[order[j]]);
+      }
+    });
+    return graph;
+  };
   run_schedule(
       p, counted_rows(split, n), init_entries.defined(),
       [&](UpdateOrder order, uint32_t round, bool /*count: free here*/) {
@@ -327,27 +349,10 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
       [&] {
         sample_reverse_edges(n, pools, read, p);
         read ^= 1;
-      });
+      },
+      [&] { return unfound_share(data, pools_graph(), metric); });
 
-  // Each row: the pool sorted by distance, cut to `degree`, -1 padded.
-  at::Tensor graph = at::full({n, p.degree}, -1, data.options().dtype(at::kInt).device(at::kCPU));
-  int32_t* out = graph.data_ptr<int32_t>();
-  at::parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
-    std::vector<int> order;
-    for (int64_t v = begin; v < end; ++v) {
-      const int count = pools.count(read, v);
-      const uint32_t* slot = pools.slots(read, v);
-      const float* dist = pools.dists(read, v);
-      order.resize(count);
-      std::iota(order.begin(), order.end(), 0);
-      const int kept = std::min(count, p.degree);
-      std::partial_sort(order.begin(), order.begin() + kept, order.end(), [&](int a, int b) {
-        return dist[a] < dist[b] || (dist[a] == dist[b] && slot_id(slot[a]) < slot_id(slot[b]));
-      });
-      for (int j = 0; j < kept; ++j) out[v * p.degree + j] = slot_id(slot[order[j]]);
-    }
-  });
-  graph = fill_rows_cpu(graph, x, lift, p.metric);
+  at::Tensor graph = fill_rows_cpu(pools_graph(), x, lift, p.metric);
   connect_unreachable(graph, data, metric, x, lift);
   return graph;
 }

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <type_traits>
 
@@ -727,10 +728,15 @@ __global__ void __launch_bounds__(kBlockThreads)
   for (int r = lane; r < degree; r += kWarpSize) row[r] = r < kept ? slot_id(s.slot[s.order[r]]) : -1;
 }
 
-// Runs the build; returns the pool buffer whose slots hold the graph (see the end).
+// A graph's unfound share (build_schedule.h, unfound_share) for this build's data and metric.
+using UnfoundOf = std::function<double(const at::Tensor& graph)>;
+
+// Runs the build; returns the pool buffer whose slots (`slots`, the pools' [2, N, R] tensor)
+// hold the graph (see the end).
 template <typename T, int TEAM>
 int run_build(const T* x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p,
-              const at::Tensor& changes, const at::Tensor& init, cudaStream_t stream) {
+              const at::Tensor& changes, const at::Tensor& init, const at::Tensor& slots, const UnfoundOf& unfound_of,
+              cudaStream_t stream) {
   const int64_t n = pools.n;
   const unsigned blocks = static_cast<unsigned>(ceil_div(n, kWarpsPerBlock));
   const size_t shared = scratch_bytes(pools.capacity);
@@ -767,19 +773,26 @@ int run_build(const T* x, const DevicePools& pools, const BuildArgs& args, const
     check_launch();
     read ^= 1;
   };
-  run_schedule(p, counted_rows(args.split, n), init.defined(), update, reverse);
   // The rows go into the spare buffer's slots, [N, R] int32 holding [N, min(degree, R)], so
-  // the graph needs no memory of its own while the pools are alive.
-  finalise_kernel<<<blocks, kBlockThreads, shared, stream>>>(
-      pools, read, std::min(p.degree, p.pool_size),
-      reinterpret_cast<int32_t*>(pools.slots + (read ^ 1) * buffer_slots));
-  check_launch();
+  // the graph needs no memory of its own while the pools are alive. Between outer iterations
+  // the next round overwrites them.
+  const int pooled = std::min(p.degree, p.pool_size);
+  auto finalise = [&] {
+    finalise_kernel<<<blocks, kBlockThreads, shared, stream>>>(
+        pools, read, pooled, reinterpret_cast<int32_t*>(pools.slots + (read ^ 1) * buffer_slots));
+    check_launch();
+    return slots[read ^ 1].view(-1).narrow(0, 0, n * pooled).view({n, pooled});
+  };
+  auto unfound = [&] { return unfound_of(finalise()); };
+  run_schedule(p, counted_rows(args.split, n), init.defined(), update, reverse, unfound);
+  finalise();
   return read ^ 1;
 }
 
 template <typename T>
 int dispatch_team(const at::Tensor& x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p,
-                  const at::Tensor& changes, const at::Tensor& init, cudaStream_t stream) {
+                  const at::Tensor& changes, const at::Tensor& init, const at::Tensor& slots,
+                  const UnfoundOf& unfound_of, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, double>) {
     TORCH_CHECK(false, "build: float64 storage reached the CUDA kernel (prepare_vectors narrows it)");
     return 0;
@@ -787,13 +800,13 @@ int dispatch_team(const at::Tensor& x, const DevicePools& pools, const BuildArgs
     const T* base = x.data_ptr<T>();
     switch (team_for_row(x.size(1) * x.element_size())) {
       case 4:
-        return run_build<T, 4>(base, pools, args, p, changes, init, stream);
+        return run_build<T, 4>(base, pools, args, p, changes, init, slots, unfound_of, stream);
       case 8:
-        return run_build<T, 8>(base, pools, args, p, changes, init, stream);
+        return run_build<T, 8>(base, pools, args, p, changes, init, slots, unfound_of, stream);
       case 16:
-        return run_build<T, 16>(base, pools, args, p, changes, init, stream);
+        return run_build<T, 16>(base, pools, args, p, changes, init, slots, unfound_of, stream);
       default:
-        return run_build<T, 32>(base, pools, args, p, changes, init, stream);
+        return run_build<T, 32>(base, pools, args, p, changes, init, slots, unfound_of, stream);
     }
   }
 }
@@ -888,9 +901,10 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
                        start_split(init_split, init_mode, n, p),
                        changes.data_ptr<int>()};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index());
+  const UnfoundOf unfound_of = [&](const at::Tensor& graph) { return unfound_share(data, graph, metric); };
   int graph_buffer = 0;
   GRNND_DISPATCH_STORAGE(x.scalar_type(), "grnnd_build_cuda", [&] {
-    graph_buffer = dispatch_team<scalar_t>(x, pools, args, p, changes, init_entries, stream);
+    graph_buffer = dispatch_team<scalar_t>(x, pools, args, p, changes, init_entries, slots, unfound_of, stream);
   });
   // The distances go first, so the graph's copy takes their place rather than new memory.
   dists = counts = locks = changes = at::Tensor();
