@@ -18,7 +18,9 @@ def basics(g: torch.Generator):
     for dtype, metric, dim in [(torch.float32, "l2", 32), (torch.float16, "cosine", 64), (torch.bfloat16, "ip", 30),
                                (torch.float32, "l2", 3), (torch.float32, "l2", 1100)]:
         data = torch.randn(1500, dim, generator=g, device="cuda").to(dtype)
-        graph = grnnd.build(data, metric=metric, outer_iters=2, inner_iters=2)
+        # Four outer iterations: the build searches its pools' graph after the second and third
+        # (build_schedule.h, unfound_share).
+        graph = grnnd.build(data, metric=metric, outer_iters=4, inner_iters=1)
         # Width 1: the warp loop, two neighbour slots a lane at degree 48; width 4: six a lane;
         # width 8 (384 slots): the block loop.
         for width in (1, 4, 8):
