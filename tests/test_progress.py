@@ -166,6 +166,12 @@ def test_logging_when_tqdm_is_missing(monkeypatch, caplog):
     assert messages[0].startswith("build: (800, 8) torch.float32 on cpu, metric=l2")
     assert [m.split(" done")[0] for m in messages[1:]] == [f"build: round {d} of at most 4" for d in range(1, 5)]
     assert all("pool entries changed" in m for m in messages[1:])
+    # A converging build from scratch logs the unfound share once it has measured it.
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="torch_grnnd"):
+        grnnd.build(DATA, progress=True, **SMALL)
+    rounds = [r.getMessage() for r in caplog.records if r.name.startswith("torch_grnnd")][1:]
+    assert "unfound" not in rounds[0] and "of the sampled rows unfound" in rounds[-1]
 
 
 def test_tqdm_bar(capsys):
