@@ -28,7 +28,8 @@ clusters), and "rare", from clusters chosen uniformly (most clusters are small, 
 rare categories a search must not miss; for blobs and aniso the two are alike).
 For each set and build configuration (build settings as "name=value,..."; "" = the defaults):
 build time (CUDA events), rounds run and the pool entries each changed (and the unfound shares
-the build measured between its outer iterations, in the JSON), the out-degree
+the build measured between its outer iterations, in the JSON; two equal measures in a row appear
+once), the out-degree
 summary, the share of rows a search cannot reach from the hubs (breadth-first search) and of
 sampled rows a search for the row itself misses (grnnd.diagnostics.unfound_share), and
 recall@10 of both query sets against exact results (torch_grnnd.knn) and queries/s (batch

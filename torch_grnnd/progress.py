@@ -126,7 +126,7 @@ def reporting(progress: Progress, what: str = "build") -> Iterator[None]:
         report, close = _default_reporter(what)
     raised = []
 
-    def callback(done: int, total: int, changes: int, unfound: float = -1.0) -> None:
+    def callback(done: int, total: int, changes: int, unfound: float) -> None:
         try:
             report(done, total, changes, None if unfound < 0 else unfound)
         except BaseException as error:
