@@ -138,9 +138,9 @@ def test_reverse_edges_match_cpu():
     assert same_rows(grnnd.build(data, **kw), grnnd.build(data.cuda(), **kw)) >= 0.995
 
 
-def one_round_share(update_order, pool_size):
+def one_round_share(update_order, pool_size, dim=48):
     """Share of rows alike after one update round on both devices (no reverse edges)."""
-    data = clustered(3_000, 48, 30, seed=5)
+    data = clustered(3_000, dim, 30, seed=5)
     kw = dict(degree=pool_size, initial_degree=16, pool_size=pool_size, outer_iters=1, inner_iters=1,
               reverse_ratio=0.0, delta=0.0, update_order=update_order, seed=11)
     return same_rows(grnnd.build(data, **kw), grnnd.build(data.cuda(), **kw))
@@ -150,11 +150,13 @@ def one_round_share(update_order, pool_size):
 # once, a batch of pairs decided a team each, pools of up to 64 entries ordered in registers
 # and larger ones by counting) must keep and hand on what the CPU's one-pair-at-a-time walk
 # does. A pool keeps the nearest of what is offered to it whatever the order of the concurrent
-# inserts, so rows differ only where float rounding decides a pair differently.
+# inserts, so rows differ only where float rounding decides a pair differently. Rows of 384
+# float32 values (1.5 KiB) take whole-warp teams (team_for_row), those of 48 teams of 8 lanes.
 @pytest.mark.parametrize("update_order", ["random", "ascending", "descending"])
 @pytest.mark.parametrize("pool_size", [32, 96])
-def test_one_round_matches_cpu(update_order, pool_size):
-    share = one_round_share(update_order, pool_size)
+@pytest.mark.parametrize("dim", [48, 384])
+def test_one_round_matches_cpu(update_order, pool_size, dim):
+    share = one_round_share(update_order, pool_size, dim)
     assert share >= 0.99, f"{share:.4f} of the rows alike after one round"
 
 
@@ -171,7 +173,8 @@ def test_components_switch(dataset, update_order, reverse_ratio):
 
 @pytest.mark.parametrize(
     "dim,dtype",
-    [(1, torch.float32), (3, torch.float32), (100, torch.float16), (130, torch.bfloat16), (4096, torch.float16)],
+    [(1, torch.float32), (3, torch.float32), (100, torch.float16), (130, torch.bfloat16), (600, torch.float16),
+     (4096, torch.float16)],
 )
 def test_odd_and_large_dims(dim, dtype):
     n = 1_500 if dim < 4096 else 600

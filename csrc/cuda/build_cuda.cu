@@ -69,7 +69,13 @@ constexpr int kUpdateWarpsPerSm = 40;
 //   - tensor-core dot products (mma.m16n8k16, eight rows per warp, |a|^2 + |b|^2 - 2 <a, b>):
 //     0.63 s with two chunks in flight, 0.78 s with one;
 //   - prefetching the next batch's rows and the next entry's row into L1 (prefetch.global.L1,
-//     no registers held): 0.503 s against 0.484 s, descending 0.688 s against 0.657 s.
+//     no registers held): 0.503 s against 0.484 s, descending 0.688 s against 0.657 s;
+//   - copying each walked entry's row into the warp's shared memory once, so that its pairs read
+//     only the other row: no faster where ncu had seen L2 throughput at 81% of peak and DRAM at
+//     49-57% (2M x 1024 float16 zipf_aniso, rounds 3 and 10, L1 hit rate 4-9%), so the kept
+//     entries' rows, not the walked one's, are that traffic. Same binary, alternating (one H200):
+//     zipf_aniso 1M x 1024 1.059 s against 1.054-1.064 s, 10M x 1024 14.21 s against 14.03 s;
+//     1M x 384 blobs 0.439 s against 0.420 s.
 // ncu on this kernel: L2 at 61% and SM at 66% of peak, DRAM at 14%, L2 hit rate 84%; neither the
 // arithmetic nor the load latency alone bounds it.
 constexpr int kBuildChunksInFlight = 1;
@@ -731,12 +737,12 @@ __global__ void __launch_bounds__(kBlockThreads)
 // A graph's unfound share (build_schedule.h, unfound_share) for this build's data and metric.
 using UnfoundOf = std::function<double(const at::Tensor& graph)>;
 
-// Runs the build; returns the pool buffer whose slots (`slots`, the pools' [2, N, R] tensor)
-// hold the graph (see the end).
+// Runs the build; returns its rows, [N, min(degree, R)] int32 ids: a view into the spare buffer
+// of `slots` (the pools' [2, N, R] tensor, see finalise).
 template <typename T, int TEAM>
-int run_build(const T* x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p,
-              const at::Tensor& changes, const at::Tensor& init, const at::Tensor& slots, const UnfoundOf& unfound_of,
-              cudaStream_t stream) {
+at::Tensor run_build(const T* x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p,
+                     const at::Tensor& changes, const at::Tensor& init, const at::Tensor& slots,
+                     const UnfoundOf& unfound_of, cudaStream_t stream) {
   const int64_t n = pools.n;
   const unsigned blocks = static_cast<unsigned>(ceil_div(n, kWarpsPerBlock));
   const size_t shared = scratch_bytes(pools.capacity);
@@ -785,17 +791,16 @@ int run_build(const T* x, const DevicePools& pools, const BuildArgs& args, const
   };
   auto unfound = [&] { return unfound_of(finalise()); };
   run_schedule(p, counted_rows(args.split, n), init.defined(), update, reverse, unfound);
-  finalise();
-  return read ^ 1;
+  return finalise();
 }
 
 template <typename T>
-int dispatch_team(const at::Tensor& x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p,
-                  const at::Tensor& changes, const at::Tensor& init, const at::Tensor& slots,
-                  const UnfoundOf& unfound_of, cudaStream_t stream) {
+at::Tensor dispatch_team(const at::Tensor& x, const DevicePools& pools, const BuildArgs& args,
+                         const BuildParams& p, const at::Tensor& changes, const at::Tensor& init,
+                         const at::Tensor& slots, const UnfoundOf& unfound_of, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, double>) {
     TORCH_CHECK(false, "build: float64 storage reached the CUDA kernel (prepare_vectors narrows it)");
-    return 0;
+    return at::Tensor();
   } else {
     const T* base = x.data_ptr<T>();
     switch (team_for_row(x.size(1) * x.element_size())) {
@@ -902,17 +907,17 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
                        changes.data_ptr<int>()};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index());
   const UnfoundOf unfound_of = [&](const at::Tensor& graph) { return unfound_share(data, graph, metric); };
-  int graph_buffer = 0;
+  at::Tensor pooled_rows;  // a view into slots
   GRNND_DISPATCH_STORAGE(x.scalar_type(), "grnnd_build_cuda", [&] {
-    graph_buffer = dispatch_team<scalar_t>(x, pools, args, p, changes, init_entries, slots, unfound_of, stream);
+    pooled_rows = dispatch_team<scalar_t>(x, pools, args, p, changes, init_entries, slots, unfound_of, stream);
   });
   // The distances go first, so the graph's copy takes their place rather than new memory.
   dists = counts = locks = changes = at::Tensor();
   // A degree above the pool gets its further places from the fill; their memory takes the place
   // of the freed distances, below the peak of the rounds.
-  const int64_t pooled = std::min(p.degree, p.pool_size);
   at::Tensor graph = at::full({n, p.degree}, -1, slots.options());
-  graph.narrow(1, 0, pooled).copy_(slots[graph_buffer].view(-1).narrow(0, 0, n * pooled).view({n, pooled}));
+  graph.narrow(1, 0, pooled_rows.size(1)).copy_(pooled_rows);
+  pooled_rows = at::Tensor();
   slots = at::Tensor();
   graph = fill_rows_cuda(graph, x, lift, p.metric);
   connect_unreachable(graph, data, metric, x, lift);
