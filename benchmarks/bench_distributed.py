@@ -18,7 +18,8 @@ takes its share as its shard. Rank 0 also runs the one-GPU baselines while the o
 Wall-clock seconds after a CUDA synchronisation and a barrier, median of 3 (builds too). Also:
 each rank's own build time (the sharded build waits for the slowest), the steps of a sharded
 search one by one (the collectives' share), the replicated search's recall beside one GPU's, and
-the replicated search at --big-batch queries (the batch repeated), where one GPU is busier. Writes
+the replicated search at --big-batch queries (the batch repeated), where one GPU is busier, and
+its calls back to back (20 without a synchronisation between them, as a server makes them). Writes
 distributed_<name>_w<W>.{json,md} under --out (rank 0); ``--table RUN.json ...`` merges runs on
 2, 4 ... GPUs into one scaling table (distributed_<name>_table.md).
 """
@@ -36,6 +37,7 @@ from benchmarks.datasets import load_data
 from benchmarks.report import machine, machine_line, scaling_runs, write_lines
 
 K, LIST = 10, 64
+BACK_TO_BACK = 20  # replicated searches timed one after another without a synchronisation
 
 
 def seconds(fn, repeat: int = 3, everyone: bool = True):
@@ -174,6 +176,9 @@ def main():
     (_, i_rep), r["replicated_search_s"] = seconds(lambda: replicated.search(queries, K, list_size=LIST))
     big = queries.repeat((args.big_batch + queries.shape[0] - 1) // queries.shape[0], 1)[:args.big_batch]
     _, r["replicated_big_search_s"] = seconds(lambda: replicated.search(big, K, list_size=LIST))
+    # Calls one after another with no synchronisation between them, as a server's loop makes them.
+    _, back_to_back = seconds(lambda: [replicated.search(queries, K, list_size=LIST) for _ in range(BACK_TO_BACK)])
+    r["replicated_back_to_back_s"] = back_to_back / BACK_TO_BACK
     # Everyone's answers on rank 0 for the recall (equal shares: all_gather fits).
     gathered = [torch.empty((q_bounds[1] - q_bounds[0], K), dtype=torch.long, device="cuda") for _ in range(world)]
     sizes_equal = len({q_bounds[j + 1] - q_bounds[j] for j in range(world)}) == 1
@@ -193,6 +198,9 @@ def main():
             lambda: replicated.index.search(queries, K, list_size=LIST), everyone=False)
         _, r["one_gpu_replica_big_search_s"] = seconds(lambda: replicated.index.search(big, K, list_size=LIST),
                                                        everyone=False)
+        _, back_to_back = seconds(
+            lambda: [replicated.index.search(queries, K, list_size=LIST) for _ in range(BACK_TO_BACK)], everyone=False)
+        r["one_gpu_replica_back_to_back_s"] = back_to_back / BACK_TO_BACK
         _, r["one_gpu_share_search_s"] = seconds(
             lambda: replicated.index.search(queries[:q_bounds[1]], K, list_size=LIST), everyone=False)
         (_, truth), r["one_gpu_exact_knn_s"] = seconds(lambda: grnnd.knn(base, queries, K), everyone=False)
@@ -211,6 +219,7 @@ def main():
         r["partitioned_qps_ratio"] = r["one_gpu_search_s"] / r["partitioned_search_s"]
         r["replicated_speedup"] = r["one_gpu_replica_search_s"] / r["replicated_search_s"]
         r["replicated_big_speedup"] = r["one_gpu_replica_big_search_s"] / r["replicated_big_search_s"]
+        r["replicated_back_to_back_speedup"] = r["one_gpu_replica_back_to_back_s"] / r["replicated_back_to_back_s"]
         r["collective_share"] = 1 - max(r["sharded_steps_s"]["local_search_s"]) / r["sharded_search_s"]
         r["exact_speedup"] = r["one_gpu_exact_knn_s"] / r["exact_knn_s"]
         print(json.dumps(r), flush=True)
@@ -243,6 +252,9 @@ def main():
                  f"| replicated search, {args.big_batch:,} queries | {args.big_batch / r['replicated_big_search_s']:,.0f}"
                  f" q/s | {args.big_batch / r['one_gpu_replica_big_search_s']:,.0f} q/s | "
                  f"{r['replicated_big_speedup']:.2f}x |",
+                 f"| replicated search, {BACK_TO_BACK} calls of {nq:,} queries back to back | "
+                 f"{nq / r['replicated_back_to_back_s']:,.0f} q/s | {nq / r['one_gpu_replica_back_to_back_s']:,.0f} q/s | "
+                 f"{r['replicated_back_to_back_speedup']:.2f}x |",
                  f"| exact knn | {r['exact_knn_s'] * 1000:.1f} ms (same ids as one GPU: "
                  f"{r.get('exact_equal')}) | {r['one_gpu_exact_knn_s'] * 1000:.1f} ms | {r['exact_speedup']:.2f}x |"]
         steps = ", ".join(f"{name[:-2].replace('_', ' ')} {' / '.join(f'{t * 1000:.2f}' for t in ts)}"

@@ -3,7 +3,7 @@ one process holding all the data: exact ops give the same neighbours, the sharde
 same recall within 0.01; the partitioned index, growth and restores onto fewer ranks; mismatched
 ranks raise on every rank instead of hanging, and a rank that dies makes the other raise.
 
-With a GPU, two gloo ranks share it (the CUDA path of the same code).
+With a GPU, two gloo ranks share it (the CUDA path of the same code); with two, NCCL joins them.
 """
 import os
 import tempfile
@@ -37,8 +37,10 @@ def shard_bounds(world: int):
     return [0] + cuts
 
 
-def worker(rank: int, world: int, init: str, out: str, device: str):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+def worker(rank: int, world: int, init: str, out: str, device: str, backend: str = "gloo"):
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # a GPU a rank
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     torch.set_num_threads(1)
     data, queries = dataset()
     bounds = shard_bounds(world)
@@ -150,11 +152,18 @@ def worker(rank: int, world: int, init: str, out: str, device: str):
                 lambda: grnnd.distributed.knn(mine, my_queries, 10 + rank % 2),
                 lambda: grnnd.distributed.knn(mine.double() if rank == 1 else mine, my_queries, 10),
                 lambda: grnnd.distributed.knn(mine, my_queries[:, :4], 10),
-                lambda: grnnd.distributed.ShardedIndex.from_state_dicts(tiny_states)):
+                lambda: grnnd.distributed.ShardedIndex.from_state_dicts(tiny_states),
+                # The replicated search: a mismatch, a share's search that fails where the settings
+                # cannot tell (a filter of the wrong length, on one rank), and queries of another
+                # width on one rank.
+                lambda: replicated.search(queries.to(device), 10 + rank % 2, list_size=64),
+                lambda: replicated.search(queries.to(device), 10, list_size=64,
+                                          filter=torch.ones(N - rank % 2, dtype=torch.bool, device=device)),
+                lambda: replicated.search(queries[:, :DIM - 12 * (rank % 2)].to(device), 10, list_size=64)):
         try:
             bad()
             errors.append(None)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, RuntimeError) as e:
             errors.append(str(e))
     result["errors"] = errors
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
@@ -162,10 +171,10 @@ def worker(rank: int, world: int, init: str, out: str, device: str):
     dist.destroy_process_group()
 
 
-def run(world: int, device: str = "cpu"):
+def run(world: int, device: str = "cpu", backend: str = "gloo"):
     out = tempfile.mkdtemp()
     init = "file://" + os.path.join(out, "rendezvous")
-    mp.spawn(worker, args=(world, init, out, device), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, init, out, device, backend), nprocs=world, join=True)
     return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
 
 
@@ -238,12 +247,16 @@ def check(results, world):
         assert torch.equal(r["replicated"][1], results[0]["replicated"][1])
     assert results[0]["replicated"][1].shape == (QUERIES, 10)
     assert recall(results[0]["replicated"][1], truth) >= recall(one, truth) - 0.01
-    # Every rank raised on every mismatch, with a message naming what differs.
-    for r in results:
+    # Every rank raised on every mismatch, with a message naming what differs; a rank whose own
+    # search failed gives its own error.
+    for rank, r in enumerate(results):
         e = r["errors"]
         assert "disagree on dim" in e[0] and "disagree on k" in e[1] and "disagree on dtype" in e[2]
         assert "queries have 4 columns, the data 16" in e[3]
         assert "saved shard 0 holds 1 live vectors, fewer than the" in e[4]
+        assert "disagree on k" in e[5]
+        assert ("filter: expected shape" if rank % 2 else "failed on rank(s) [1]") in e[6]
+        assert "disagree on query_dim" in e[7]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -255,6 +268,14 @@ def test_ranks_agree_with_one_process(world):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_two_ranks_sharing_one_gpu():
     check(run(2, "cuda"), 2)
+
+
+# NCCL between two GPUs, as torchrun jobs run: the replicated search's agreements then go through
+# the group's gloo twin (distributed.py, _host_group) while everything else goes through NCCL.
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_over_nccl():
+    check(run(2, "cuda", "nccl"), 2)
 
 
 def test_the_merge_of_shard_answers_orders_ties_by_id():

@@ -187,6 +187,21 @@ def _search_everywhere(local_search, queries: Tensor, k: int, sizes: Sequence[in
     return _best(dists, ids, k, ids_follow_ranks)
 
 
+def _on_this_rank(state: Dict[str, Any], group: Optional[dist.ProcessGroup]) -> Dict[str, Any]:
+    """A saved shard's state (nested dicts of tensors) on this rank's device when another rank's
+    shard comes here: under NCCL this rank's GPU (a state loaded as saved keeps the saving rank's
+    GPU), else where it was saved (gloo ranks share their devices)."""
+    if dist.get_backend(group) != "nccl":
+        return state
+    device = _comm_device(group)
+
+    def moved(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return value.to(device)
+        return {key: moved(item) for key, item in value.items()} if isinstance(value, dict) else value
+    return moved(state)
+
+
 def _no_rows(queries: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     """The answer of a shard without rows: all padding."""
     return (torch.full((queries.shape[0], k), float("inf"), device=queries.device),
@@ -733,7 +748,7 @@ class ShardedIndex:
             return cls.from_state_dict(states[rank], group)
         if saved < world:
             return cls._split_shard(states, group)
-        mine = [Index.from_state_dict(states[j]["local"]) for j in range(rank, saved, world)]
+        mine = [Index.from_state_dict(_on_this_rank(states[j]["local"], group)) for j in range(rank, saved, world)]
         local = mine[0]
         for other in mine[1:]:
             local = merge(local, other)
@@ -755,7 +770,8 @@ class ShardedIndex:
                 raise ValueError(f"states: saved shard {j} holds {live} live vectors, fewer than the {sharing[j]} "
                                  "ranks that would split it; restore onto fewer ranks")
         # Without the room it was saved with (reserving it would copy the whole shard here).
-        saved_state = {key: value for key, value in states[rank % saved]["local"].items() if key != "capacity"}
+        saved_state = _on_this_rank({key: value for key, value in states[rank % saved]["local"].items()
+                                     if key != "capacity"}, group)
         shard = Index.from_state_dict(saved_state)
         live = slice(None) if shard.removed is None else ~shard.removed
         rows = shard.data[live]
@@ -790,10 +806,26 @@ class ReplicatedIndex:
                list_size=p.list_size, rows=self.index.data.shape[0], batch=queries.shape[0])
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         bounds = [queries.shape[0] * r // world for r in range(world + 1)]
-        mine = queries[bounds[rank]:bounds[rank + 1]]
-        dists, ids = self.index.search(mine, params=p)
         sizes = [bounds[r + 1] - bounds[r] for r in range(world)]
-        return _unpacked(_all_gather_rows(_packed(dists, ids), sizes, self.group))
+        # A search that fails on one rank alone (a filter of the wrong length, say, which the
+        # agreement does not see) must not leave the others waiting in the all-gather: the rank
+        # joins it with a share of zeros and a status row that says so, and every rank raises.
+        failure = None
+        try:
+            share = _packed(*self.index.search(queries[bounds[rank]:bounds[rank + 1]], params=p))
+        except Exception as error:  # re-raised below, once the other ranks have heard of it
+            failure = error
+            share = torch.zeros((sizes[rank], p.k, 3), dtype=torch.int32, device=self.index.data.device)
+        status = share.new_full((1, *share.shape[1:]), int(failure is not None))
+        everyone = _all_gather_rows(torch.cat([share, status]), [size + 1 for size in sizes], self.group)
+        starts = [sum(sizes[:r]) + r for r in range(world)]
+        failed = [r for r, flag in enumerate(everyone[[starts[r] + sizes[r] for r in range(world)], 0, 0].tolist())
+                  if flag]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise RuntimeError(f"ReplicatedIndex.search: failed on rank(s) {failed}, see their error")
+        return _unpacked(torch.cat([everyone[starts[r]:starts[r] + sizes[r]] for r in range(world)]))
 
     def __len__(self) -> int:
         """Live vectors (every rank holds them all)."""
