@@ -270,8 +270,8 @@ def test_two_ranks_sharing_one_gpu():
     check(run(2, "cuda"), 2)
 
 
-# NCCL between two GPUs, as torchrun jobs run: the replicated search's agreements then go through
-# the group's gloo twin (distributed.py, _host_group) while everything else goes through NCCL.
+# NCCL between two GPUs, as torchrun jobs run: every agreement and exchange then goes through NCCL,
+# and each rank's restored shards must land on its own GPU.
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_two_gpus_over_nccl():
