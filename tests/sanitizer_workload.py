@@ -80,6 +80,10 @@ def hubs_and_repair(g: torch.Generator):
     for dtype, metric in [(torch.float16, "l2"), (torch.float32, "ip"), (torch.float32, "cosine")]:
         for k in (1, 5, 20, 64, 70):
             grnnd.diagnostics.nearest_hubs(many.to(dtype), many[-33:].to(dtype), k, metric=metric)
+    # 5 000 queries are more (query, hub) pairs than the direct kernels take: the gathered hub rows.
+    for dtype, metric in [(torch.float16, "l2"), (torch.bfloat16, "ip"), (torch.float32, "cosine")]:
+        for k in (5, 64):
+            grnnd.diagnostics.nearest_hubs(many.to(dtype), many[:5_000].to(dtype), k, metric=metric)
     # 70 000 half-precision rows for one or two hubs: the fused product (a partial block and tile).
     for dtype, metric in [(torch.float16, "l2"), (torch.bfloat16, "cosine")]:
         for k in (1, 2):

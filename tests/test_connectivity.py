@@ -94,6 +94,35 @@ def test_fused_nearest_hubs_select_as_the_score_matrix_does(metric, dtype):
         assert agree >= 0.999, f"{agree:.4f} of the rows chose as the score matrix does"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the gathered hub rows are a CUDA kernel")
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_large_batches_rank_the_gathered_hub_rows(metric, dtype):
+    # 1 000 queries against 300 hubs are more pairs than the direct kernels take: up to 64 hubs a
+    # query, one kernel gathers the hub rows and their terms and the selection writes hub rows
+    # (csrc/build/hubs.h, gather_hubs_cuda); 70 go through the hub ids and at::topk.
+    g = torch.Generator().manual_seed(9)
+    data = (torch.randn(300_000, 40, generator=g) * torch.rand(300_000, 1, generator=g)).to(dtype)
+    queries = torch.randn(1_000, 40, generator=g).to(dtype).cuda()
+    on_device = data.cuda()
+    hubs = grnnd.diagnostics.hubs(on_device)
+    score = hub_scores(on_device[hubs], queries, metric)
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    by_topk = grnnd.diagnostics.nearest_hubs(on_device, queries, 70, metric=metric)
+    check_nearest_hubs(by_topk, hubs, score, 70, tolerance)
+    for k in (1, 5, 64):
+        ids = grnnd.diagnostics.nearest_hubs(on_device, queries, k, metric=metric)
+        check_nearest_hubs(ids, hubs, score, k, tolerance)
+        # Both sum the same products in float32; the hubs' norms are summed in other orders.
+        agree = (ids == by_topk[:, :k]).all(dim=1).double().mean().item()
+        assert agree >= 0.95, f"{agree:.4f} of the queries got the hubs at::topk chose"
+    # Rows in pinned host memory are gathered where they lie: the same entry points, the same walk.
+    graph = torch.randint(0, data.shape[0], (data.shape[0], 16), generator=g, dtype=torch.int32).cuda()
+    on_host = grnnd.search(data.pin_memory(), graph, queries, 10, list_size=32, metric=metric)
+    on_gpu = grnnd.search(on_device, graph, queries, 10, list_size=32, metric=metric)
+    assert torch.equal(on_host[1], on_gpu[1]) and torch.equal(on_host[0], on_gpu[0])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the direct hub distances are CUDA kernels")
 @pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

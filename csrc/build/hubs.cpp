@@ -126,6 +126,29 @@ at::Tensor hub_rows(const at::Tensor& x, const at::Tensor& hubs) {
   return gather_rows.call(x, hubs);
 }
 
+#ifdef GRNND_WITH_CUDA
+// hub_entries of a batch past the direct kernels' reach (hubs.h, gathered_hub_entries_apply).
+at::Tensor gathered_hub_entries(const at::Tensor& x, const at::Tensor& queries, Metric ranking, int64_t count) {
+  at::Tensor gathered, weight, bias;
+  gather_hubs_cuda(x, queries, ranking, gathered, weight, bias);
+  const int64_t n = x.size(0), m = queries.size(0), h = gathered.size(0), k = std::min(count, h);
+  if (fused_nearest_hubs_apply(queries, gathered, k)) {  // one or two hubs of a batch that fills the GPU
+    at::Tensor columns = at::empty({m, k}, queries.options().dtype(at::kLong));
+    nearest_hubs_fused_cuda(queries, gathered, weight, bias, at::Tensor(), at::Tensor(), columns);
+    return hub_ids(n, queries.options()).index_select(0, columns.flatten()).view_as(columns).to(at::kInt).contiguous();
+  }
+  at::Tensor out = at::empty({m, k}, queries.options().dtype(at::kInt));
+  const at::Tensor gathered_t = gathered.t();
+  const int64_t chunk = std::max<int64_t>(1, kScoreBudget / h);
+  for (int64_t start = 0; start < m; start += chunk) {
+    at::Tensor part = out.slice(0, start, std::min(m, start + chunk));  // rows of a contiguous [m, k]
+    smallest_scores_cuda(dot_products(queries.slice(0, start, start + part.size(0)), gathered_t), weight, bias,
+                         at::Tensor(), at::Tensor(), part, /*hub_rows_of=*/n);
+  }
+  return out;
+}
+#endif
+
 }  // namespace
 
 at::Tensor hub_entries(const at::Tensor& x, const at::Tensor& queries, Metric metric, bool x_normalised,
@@ -135,8 +158,9 @@ at::Tensor hub_entries(const at::Tensor& x, const at::Tensor& queries, Metric me
   // Unit rows rank by -<q, hub> under cosine as under inner product.
   const Metric ranking = metric == Metric::kCosine && x_normalised ? Metric::kIP : metric;
 #ifdef GRNND_WITH_CUDA
-  // Before hub_ids: the direct kernels find the hub rows themselves (hub_row).
+  // Before hub_ids: the direct and gathered kernels find the hub rows themselves (hub_row).
   if (direct_hub_entries_apply(x, queries)) return direct_hub_entries_cuda(x, queries, ranking, count);
+  if (gathered_hub_entries_apply(x, queries, count)) return gathered_hub_entries(x, queries, ranking, count);
 #endif
   const at::Tensor hubs = hub_ids(n, queries.options());
   const at::Tensor nearest = nearest_hubs(queries, hub_rows(x, hubs), count, ranking);

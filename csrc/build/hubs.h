@@ -75,8 +75,11 @@ constexpr int64_t kMaxFusedHubK = 64;
 // contiguous), the columns c of the k smallest weight[c] * dots[r, c] + bias[c]
 // (+ row_lift[r] * lift_coef[c] where row_lift is defined), ascending, the lower column first
 // among equal scores.
+// With out int32 and hub_rows_of = n instead, each column c is written as the row of hub c of the
+// n rows (hub_row(c, n, h)): the entry points themselves, no gather of ids after.
 void smallest_scores_cuda(const at::Tensor& dots, const at::Tensor& weight, const at::Tensor& bias,
-                          const at::Tensor& row_lift, const at::Tensor& lift_coef, at::Tensor& out);
+                          const at::Tensor& row_lift, const at::Tensor& lift_coef, at::Tensor& out,
+                          int64_t hub_rows_of = 0);
 
 // On CUDA, half-precision rows (float16, bfloat16; d a multiple of 8 and at most
 // kMaxFusedProductDim, 16-byte aligned) whose k nearest hubs are few (k <= kMaxFusedProductK, the
@@ -177,6 +180,22 @@ constexpr int64_t kMaxDirectHubPairs = int64_t{1} << 18;
 constexpr int64_t kMaxDirectHubs = 16384;
 bool direct_hub_entries_apply(const at::Tensor& x, const at::Tensor& queries);
 at::Tensor direct_hub_entries_cuda(const at::Tensor& x, const at::Tensor& queries, Metric ranking, int64_t count);
+
+// Entry points of a larger batch on CUDA: one kernel gathers the hub rows (hub_row, no hub ids)
+// with their score terms (nearest_hubs' weight and bias, from the stored values in float32), a
+// matrix product scores the queries, and the selection writes the hubs' row ids
+// (smallest_scores_cuda with hub_rows_of): three launches where nearest_hubs on the hub ids takes
+// about twenty (the ids, their rows, norms, product, selection, the ids of the columns, int32),
+// each with its host cost, which a search waits for before its own kernel starts (the search
+// kernel of a batch of 1 000 at list 32 takes 0.41 ms on an H200). One H200, 1M x 384 clustered
+// float16 rows (1 000 hubs), before and after in one call (benchmarks/README.md, "Hub entry
+// points of larger batches"): a batch of 1 000 at list 32 0.59 -> 0.46 ms a call by the rows,
+// 0.45 -> 0.36 ms by int8 codes. Same conditions as the direct kernels but any number of pairs,
+// and count at most kMaxFusedHubK.
+bool gathered_hub_entries_apply(const at::Tensor& x, const at::Tensor& queries, int64_t count);
+// hub_rows [h, d] in x's type on the queries' device, weight and bias [h] float32 (ranking's terms).
+void gather_hubs_cuda(const at::Tensor& x, const at::Tensor& queries, Metric ranking, at::Tensor& hub_rows,
+                      at::Tensor& weight, at::Tensor& bias);
 
 // A query's nearest hubs dealt out to its independent searches (params.h) like cards: search s
 // of S gets columns s, s + S, s + 2S, ... of the table, at most per_search of them, so split

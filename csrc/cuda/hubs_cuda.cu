@@ -15,6 +15,7 @@
 // itself a few hundredths of that. The fused kernel multiplies a tile of 128 rows with a tile of
 // 128 hubs on tensor cores (mma.sync m16n8k16, float32 accumulation, as at::mm does for half
 // rows) and each thread folds the scores it holds into its rows' k smallest right away.
+#include <algorithm>
 #include <cfloat>
 #include <cstdint>
 #include <type_traits>
@@ -68,12 +69,15 @@ __device__ __forceinline__ void keep_smallest(float (&best)[K], int32_t (&column
 
 // out[r, 0..k) = columns of the k smallest weight[c] * dots[r, c] + bias[c]
 // (+ row_lift[r] * lift_coef[c] when lifted) over c < h, ascending. K >= k, a compile-time bound
-// that keeps each lane's list in registers.
-template <int K>
+// that keeps each lane's list in registers. HubRows: hub_rows_out[r, 0..k) gets the rows of those
+// hubs of hub_rows_of rows instead (hub_row), a variant of its own so that the build's selection
+// keeps its registers (the row's 64-bit arithmetic in the loop takes 124 instead of 80 at K = 32).
+template <int K, bool HubRows>
 __global__ void __launch_bounds__(kWarp * kWarpsPerBlock)
     smallest_scores_kernel(const float* __restrict__ dots, int64_t m, int32_t h, const float* __restrict__ weight,
                            const float* __restrict__ bias, const float* __restrict__ row_lift,
-                           const float* __restrict__ lift_coef, int k, int64_t* __restrict__ out) {
+                           const float* __restrict__ lift_coef, int k, int64_t* __restrict__ out, int64_t hub_rows_of,
+                           int32_t* __restrict__ hub_rows_out) {
   const int lane = threadIdx.x % kWarp;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
   if (r >= m) return;  // whole warps leave together
@@ -105,7 +109,13 @@ __global__ void __launch_bounds__(kWarp * kWarpsPerBlock)
         col = c;
       }
     }
-    if (lane == 0) out[r * k + i] = col;
+    if (lane == 0) {
+      if constexpr (HubRows) {
+        hub_rows_out[r * k + i] = static_cast<int32_t>(hub_row(col, hub_rows_of, h));
+      } else {
+        out[r * k + i] = col;
+      }
+    }
     if (column[0] == col) {
 #pragma unroll
       for (int j = 0; j + 1 < K; ++j) {
@@ -120,15 +130,61 @@ __global__ void __launch_bounds__(kWarp * kWarpsPerBlock)
 
 template <int K>
 void launch(const at::Tensor& dots, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& row_lift,
-            const at::Tensor& lift_coef, at::Tensor& out) {
+            const at::Tensor& lift_coef, at::Tensor& out, int64_t hub_rows_of) {
   const int64_t m = dots.size(0);
   const unsigned blocks = static_cast<unsigned>((m + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  smallest_scores_kernel<K><<<blocks, kWarp * kWarpsPerBlock, 0, c10::cuda::getCurrentCUDAStream(dots.device().index())>>>(
+  const bool rows_out = hub_rows_of > 0;
+  const auto kernel = rows_out ? smallest_scores_kernel<K, true> : smallest_scores_kernel<K, false>;
+  kernel<<<blocks, kWarp * kWarpsPerBlock, 0, c10::cuda::getCurrentCUDAStream(dots.device().index())>>>(
       dots.data_ptr<float>(), m, static_cast<int32_t>(dots.size(1)), weight.data_ptr<float>(), bias.data_ptr<float>(),
       row_lift.defined() ? row_lift.data_ptr<float>() : nullptr,
       lift_coef.defined() ? lift_coef.data_ptr<float>() : nullptr, static_cast<int>(out.size(1)),
-      out.data_ptr<int64_t>());
+      rows_out ? nullptr : out.data_ptr<int64_t>(), hub_rows_of, rows_out ? out.data_ptr<int32_t>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+constexpr int kGatherThreads = 128;
+
+// Row hub_row(j, n, hubs) of x copied to hub_rows[j], a block per hub j, with the hub's terms of
+// the ranking's score weight[j] * <q, hub> + bias[j] (nearest_hubs' terms) from its squared norm
+// in float32.
+template <typename T>
+__global__ void __launch_bounds__(kGatherThreads)
+    gather_hubs_kernel(const T* __restrict__ x, int64_t n, int dim, int32_t hubs, Metric ranking,
+                       T* __restrict__ hub_rows, float* __restrict__ weight, float* __restrict__ bias) {
+  const int32_t j = blockIdx.x;
+  const T* row = x + hub_row(j, n, hubs) * dim;
+  T* out = hub_rows + static_cast<int64_t>(j) * dim;
+  float squares = 0.0f;
+  for (int c = threadIdx.x; c < dim; c += kGatherThreads) {
+    const T v = row[c];
+    out[c] = v;
+    const float f = static_cast<float>(v);
+    squares = fmaf(f, f, squares);
+  }
+  __shared__ float warp_sums[kGatherThreads / kWarp];
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+  if (threadIdx.x % kWarp == 0) warp_sums[threadIdx.x / kWarp] = squares;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  float norm2 = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kGatherThreads / kWarp; ++w) norm2 += warp_sums[w];
+  switch (ranking) {
+    case Metric::kL2:
+      weight[j] = -2.0f;
+      bias[j] = norm2;
+      break;
+    case Metric::kIP:
+      weight[j] = -1.0f;
+      bias[j] = 0.0f;
+      break;
+    case Metric::kCosine:
+      weight[j] = -1.0f / fmaxf(sqrtf(norm2), 1e-30f);
+      bias[j] = 0.0f;
+      break;
+  }
 }
 
 
@@ -476,24 +532,58 @@ at::Tensor direct_hub_entries_cuda(const at::Tensor& x, const at::Tensor& querie
   return out;
 }
 
+bool gathered_hub_entries_apply(const at::Tensor& x, const at::Tensor& queries, int64_t count) {
+  const int64_t hubs = hub_count(x.size(0));
+  if (!queries.is_cuda() || hubs == 0 || std::min(count, hubs) > kMaxFusedHubK || hubs >= INT32_MAX) return false;
+  const auto type = x.scalar_type();
+  if ((type != at::kFloat && type != at::kHalf && type != at::kBFloat16) || queries.scalar_type() != type) return false;
+  return x.is_contiguous() && queries.is_contiguous() && (x.is_cuda() || x.is_pinned());
+}
+
+void gather_hubs_cuda(const at::Tensor& x, const at::Tensor& queries, Metric ranking, at::Tensor& hub_rows,
+                      at::Tensor& weight, at::Tensor& bias) {
+  TORCH_CHECK(gathered_hub_entries_apply(x, queries, 1), "gather_hubs_cuda: called outside gathered_hub_entries_apply");
+  const c10::cuda::CUDAGuard guard(queries.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(queries.device().index()).stream();
+  const int64_t n = x.size(0), dim = x.size(1);
+  const auto hubs = static_cast<int32_t>(hub_count(n));
+  hub_rows = at::empty({hubs, dim}, queries.options());
+  weight = at::empty({hubs}, queries.options().dtype(at::kFloat));
+  bias = at::empty({hubs}, queries.options().dtype(at::kFloat));
+  // Host rows (a GPU search of pinned rows) are read where they lie, through unified addressing.
+  const void* rows = x.is_cuda() ? x.data_ptr() : cuda::device_address_of_host_rows(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "gather_hubs", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      cuda::gather_hubs_kernel<scalar_t><<<static_cast<unsigned>(hubs), cuda::kGatherThreads, 0, stream>>>(
+          static_cast<const scalar_t*>(rows), n, static_cast<int>(dim), hubs, ranking, hub_rows.data_ptr<scalar_t>(),
+          weight.data_ptr<float>(), bias.data_ptr<float>());
+    }
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void smallest_scores_cuda(const at::Tensor& dots, const at::Tensor& weight, const at::Tensor& bias,
-                          const at::Tensor& row_lift, const at::Tensor& lift_coef, at::Tensor& out) {
+                          const at::Tensor& row_lift, const at::Tensor& lift_coef, at::Tensor& out,
+                          int64_t hub_rows_of) {
   TORCH_CHECK(dots.is_cuda() && dots.scalar_type() == at::kFloat && dots.is_contiguous() && dots.dim() == 2,
               "smallest_scores_cuda: expected contiguous float32 CUDA dot products");
   TORCH_CHECK(out.is_contiguous() && out.size(0) == dots.size(0) && out.size(1) >= 1 &&
                   out.size(1) <= kMaxFusedHubK && out.size(1) <= dots.size(1) && dots.size(1) < INT32_MAX,
               "smallest_scores_cuda: bad output shape ", out.sizes(), " for ", dots.sizes());
+  TORCH_CHECK(out.scalar_type() == (hub_rows_of > 0 ? at::kInt : at::kLong) &&
+                  (hub_rows_of <= 0 || hub_count(hub_rows_of) == dots.size(1)),
+              "smallest_scores_cuda: expected int64 columns, or int32 hub rows of as many hubs as columns");
   if (dots.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(dots.device());
   const int64_t k = out.size(1);
   if (k <= 2) {
-    cuda::launch<2>(dots, weight, bias, row_lift, lift_coef, out);
+    cuda::launch<2>(dots, weight, bias, row_lift, lift_coef, out, hub_rows_of);
   } else if (k <= 8) {
-    cuda::launch<8>(dots, weight, bias, row_lift, lift_coef, out);
+    cuda::launch<8>(dots, weight, bias, row_lift, lift_coef, out, hub_rows_of);
   } else if (k <= 32) {
-    cuda::launch<32>(dots, weight, bias, row_lift, lift_coef, out);
+    cuda::launch<32>(dots, weight, bias, row_lift, lift_coef, out, hub_rows_of);
   } else {
-    cuda::launch<kMaxFusedHubK>(dots, weight, bias, row_lift, lift_coef, out);
+    cuda::launch<kMaxFusedHubK>(dots, weight, bias, row_lift, lift_coef, out, hub_rows_of);
   }
 }
 
