@@ -190,8 +190,10 @@ at::Tensor direct_hub_entries_cuda(const at::Tensor& x, const at::Tensor& querie
 // kernel of a batch of 1 000 at list 32 takes 0.41 ms on an H200). One H200, 1M x 384 clustered
 // float16 rows (1 000 hubs), before and after in one call (benchmarks/README.md, "Hub entry
 // points of larger batches"): a batch of 1 000 at list 32 0.59 -> 0.46 ms a call by the rows,
-// 0.45 -> 0.36 ms by int8 codes. Same conditions as the direct kernels but any number of pairs,
-// and count at most kMaxFusedHubK.
+// 0.45 -> 0.36 ms by int8 codes. Rows and queries of one type (float32, float16 or bfloat16),
+// contiguous, the queries on the GPU and the rows there or in pinned host memory; any number of
+// pairs and hubs, no alignment needed (the gather reads element by element); count at most
+// kMaxFusedHubK.
 bool gathered_hub_entries_apply(const at::Tensor& x, const at::Tensor& queries, int64_t count);
 // hub_rows [h, d] in x's type on the queries' device, weight and bias [h] float32 (ranking's terms).
 void gather_hubs_cuda(const at::Tensor& x, const at::Tensor& queries, Metric ranking, at::Tensor& hub_rows,
