@@ -6,8 +6,9 @@
 // [N, N / 1000] score matrix made chunk by chunk. Scaling it, adding the hub terms and selecting
 // with at::topk read and wrote that matrix four times over, and the radix select of at::topk is
 // made for large k: at 4M x 384 rows (H100) the scaling and selection took 0.37 s of a 1.9 s
-// build, and they grow as N^2. Here each row is read once: a warp per row, each lane keeping the
-// k smallest of its columns in registers, then k warp-wide minimum reductions merge the lanes.
+// build, and they grow as N^2. Here each row is read once: a warp per row keeps its k smallest as
+// one list across its lanes and inserts only the columns that beat the list's k-th
+// (smallest_scores_kernel).
 //
 // Why the fused product: even read once, the scores are written by the matrix product and read
 // back, 4 bytes per (row, hub) pair each way: 10M x 128 float16 rows against 10 000 hubs took
@@ -67,12 +68,72 @@ __device__ __forceinline__ void keep_smallest(float (&best)[K], int32_t (&column
   }
 }
 
+// The pair (value[s], column[s]) of the lane whose slot s holds `position` of a warp's list
+// (position = s * kWarp + lane), broadcast to all lanes; `position` is the same on every lane.
+template <int Slots>
+__device__ __forceinline__ void pair_at(const float (&value)[Slots], const int32_t (&column)[Slots], int position,
+                                        float& v, int32_t& c) {
+  float mine = value[0];
+  int32_t mine_column = column[0];
+#pragma unroll
+  for (int s = 1; s < Slots; ++s) {
+    if (position / kWarp == s) {  // a register array is indexed by constants only
+      mine = value[s];
+      mine_column = column[s];
+    }
+  }
+  v = __shfl_sync(0xffffffffu, mine, position % kWarp);
+  c = __shfl_sync(0xffffffffu, mine_column, position % kWarp);
+}
+
+// (v, c), the same on every lane, into the warp's ascending list: the pairs after it move one
+// position up (the last falls off), each taking its predecessor's through a shuffle.
+template <int Slots>
+__device__ __forceinline__ void insert_pair(float (&value)[Slots], int32_t (&column)[Slots], float v, int32_t c) {
+  const int lane = threadIdx.x % kWarp;
+  int at = 0;  // pairs before (v, c)
+#pragma unroll
+  for (int s = 0; s < Slots; ++s) at += __popc(__ballot_sync(0xffffffffu, before(value[s], column[s], v, c)));
+  float from_value[Slots];
+  int32_t from_column[Slots];
+#pragma unroll
+  for (int s = 0; s < Slots; ++s) {  // the pair at position - 1: the lane below, or the last lane of the slot below
+    from_value[s] = __shfl_up_sync(0xffffffffu, value[s], 1);
+    from_column[s] = __shfl_up_sync(0xffffffffu, column[s], 1);
+    if (s > 0) {
+      const float v_below = __shfl_sync(0xffffffffu, value[s - 1], kWarp - 1);
+      const int32_t c_below = __shfl_sync(0xffffffffu, column[s - 1], kWarp - 1);
+      if (lane == 0) {
+        from_value[s] = v_below;
+        from_column[s] = c_below;
+      }
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < Slots; ++s) {
+    const int position = s * kWarp + lane;
+    if (position == at) {
+      value[s] = v;
+      column[s] = c;
+    } else if (position > at) {
+      value[s] = from_value[s];
+      column[s] = from_column[s];
+    }
+  }
+}
+
+constexpr int kRoundsPerLoad = 4;  // rounds of 32 columns whose scores a lane loads before it compares
+
 // out[r, 0..k) = columns of the k smallest weight[c] * dots[r, c] + bias[c]
-// (+ row_lift[r] * lift_coef[c] when lifted) over c < h, ascending. K >= k, a compile-time bound
-// that keeps each lane's list in registers. HubRows: hub_rows_out[r, 0..k) gets the rows of those
-// hubs of hub_rows_of rows instead (hub_row), a variant of its own so that the build's selection
-// keeps its registers (the row's 64-bit arithmetic in the loop takes 124 instead of 80 at K = 32).
-template <int K, bool HubRows>
+// (+ row_lift[r] * lift_coef[c] when lifted) over c < h, ascending by (score, column). A warp per
+// row keeps the k smallest so far as one list sorted across its lanes (position s * 32 + lane in
+// the lane's slot s; Slots * 32 >= k). A round scores 32 columns, one a lane; the few that come
+// before the list's k-th pair are inserted one after another (insert_pair), so a round without
+// one costs a load, a multiply-add, a comparison and a vote. A row of h columns has about
+// k (1 + ln(h / k)) such columns, where per-lane lists of k (the former design) sorted nearly
+// every column into a lane's registers. HubRows: hub_rows_out[r, 0..k) gets the rows of those
+// hubs of hub_rows_of rows instead (hub_row).
+template <int Slots, bool HubRows>
 __global__ void __launch_bounds__(kWarp * kWarpsPerBlock)
     smallest_scores_kernel(const float* __restrict__ dots, int64_t m, int32_t h, const float* __restrict__ weight,
                            const float* __restrict__ bias, const float* __restrict__ row_lift,
@@ -81,60 +142,64 @@ __global__ void __launch_bounds__(kWarp * kWarpsPerBlock)
   const int lane = threadIdx.x % kWarp;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
   if (r >= m) return;  // whole warps leave together
-  float best[K];
-  int32_t column[K];
+  float value[Slots];
+  int32_t column[Slots];
 #pragma unroll
-  for (int j = 0; j < K; ++j) {
-    best[j] = INFINITY;
-    column[j] = INT32_MAX;
+  for (int s = 0; s < Slots; ++s) {
+    value[s] = INFINITY;
+    column[s] = INT32_MAX;
   }
+  float bar = INFINITY;  // the list's pair at position k - 1, which a new column must come before
+  int32_t bar_column = INT32_MAX;
   const float* row = dots + r * h;
   const float lift = row_lift != nullptr ? row_lift[r] : 0.0f;
-  for (int32_t c = lane; c < h; c += kWarp) {
-    float score = fmaf(weight[c], row[c], bias[c]);
-    if (row_lift != nullptr) score = fmaf(lift, lift_coef[c], score);
-    keep_smallest<K>(best, column, rankable(score), c);
+  for (int32_t start = 0; start < h; start += kWarp * kRoundsPerLoad) {
+    float score[kRoundsPerLoad];
+#pragma unroll
+    for (int i = 0; i < kRoundsPerLoad; ++i) {
+      const int32_t c = start + i * kWarp + lane;
+      score[i] = INFINITY;
+      if (c < h) {
+        float s = fmaf(weight[c], row[c], bias[c]);
+        if (row_lift != nullptr) s = fmaf(lift, lift_coef[c], s);
+        score[i] = rankable(s);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRoundsPerLoad; ++i) {
+      const int32_t c = start + i * kWarp + lane;
+      unsigned pending = __ballot_sync(0xffffffffu, c < h && before(score[i], c, bar, bar_column));
+      while (pending != 0) {
+        const int from = __ffs(pending) - 1;
+        pending &= pending - 1;
+        const float v = __shfl_sync(0xffffffffu, score[i], from);
+        const int32_t vc = start + i * kWarp + from;
+        if (!before(v, vc, bar, bar_column)) continue;  // an insertion of this round raised the bar
+        insert_pair<Slots>(value, column, v, vc);
+        pair_at<Slots>(value, column, k - 1, bar, bar_column);
+      }
+    }
   }
-  // Merge: k times, the warp's smallest head is taken and its lane moves on to its next entry.
-  // A column lives in one lane only, so exactly one lane owns the winner.
-  for (int i = 0; i < k; ++i) {
-    float value = best[0];
-    int32_t col = column[0];
 #pragma unroll
-    for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-      const float v = __shfl_xor_sync(0xffffffffu, value, offset);
-      const int32_t c = __shfl_xor_sync(0xffffffffu, col, offset);
-      if (before(v, c, value, col)) {
-        value = v;
-        col = c;
-      }
-    }
-    if (lane == 0) {
+  for (int s = 0; s < Slots; ++s) {
+    const int position = s * kWarp + lane;
+    if (position < k) {
       if constexpr (HubRows) {
-        hub_rows_out[r * k + i] = static_cast<int32_t>(hub_row(col, hub_rows_of, h));
+        hub_rows_out[r * k + position] = static_cast<int32_t>(hub_row(column[s], hub_rows_of, h));
       } else {
-        out[r * k + i] = col;
+        out[r * k + position] = column[s];
       }
-    }
-    if (column[0] == col) {
-#pragma unroll
-      for (int j = 0; j + 1 < K; ++j) {
-        best[j] = best[j + 1];
-        column[j] = column[j + 1];
-      }
-      best[K - 1] = INFINITY;
-      column[K - 1] = INT32_MAX;
     }
   }
 }
 
-template <int K>
+template <int Slots>
 void launch(const at::Tensor& dots, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& row_lift,
             const at::Tensor& lift_coef, at::Tensor& out, int64_t hub_rows_of) {
   const int64_t m = dots.size(0);
   const unsigned blocks = static_cast<unsigned>((m + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const bool rows_out = hub_rows_of > 0;
-  const auto kernel = rows_out ? smallest_scores_kernel<K, true> : smallest_scores_kernel<K, false>;
+  const auto kernel = rows_out ? smallest_scores_kernel<Slots, true> : smallest_scores_kernel<Slots, false>;
   kernel<<<blocks, kWarp * kWarpsPerBlock, 0, c10::cuda::getCurrentCUDAStream(dots.device().index())>>>(
       dots.data_ptr<float>(), m, static_cast<int32_t>(dots.size(1)), weight.data_ptr<float>(), bias.data_ptr<float>(),
       row_lift.defined() ? row_lift.data_ptr<float>() : nullptr,
@@ -568,7 +633,7 @@ void smallest_scores_cuda(const at::Tensor& dots, const at::Tensor& weight, cons
   TORCH_CHECK(dots.is_cuda() && dots.scalar_type() == at::kFloat && dots.is_contiguous() && dots.dim() == 2,
               "smallest_scores_cuda: expected contiguous float32 CUDA dot products");
   TORCH_CHECK(out.is_contiguous() && out.size(0) == dots.size(0) && out.size(1) >= 1 &&
-                  out.size(1) <= kMaxFusedHubK && out.size(1) <= dots.size(1) && dots.size(1) < INT32_MAX,
+                  out.size(1) <= kMaxFusedHubK && out.size(1) <= dots.size(1) && dots.size(1) <= INT32_MAX / 2,
               "smallest_scores_cuda: bad output shape ", out.sizes(), " for ", dots.sizes());
   TORCH_CHECK(out.scalar_type() == (hub_rows_of > 0 ? at::kInt : at::kLong) &&
                   (hub_rows_of <= 0 || hub_count(hub_rows_of) == dots.size(1)),
@@ -576,14 +641,11 @@ void smallest_scores_cuda(const at::Tensor& dots, const at::Tensor& weight, cons
   if (dots.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(dots.device());
   const int64_t k = out.size(1);
-  if (k <= 2) {
-    cuda::launch<2>(dots, weight, bias, row_lift, lift_coef, out, hub_rows_of);
-  } else if (k <= 8) {
-    cuda::launch<8>(dots, weight, bias, row_lift, lift_coef, out, hub_rows_of);
-  } else if (k <= 32) {
-    cuda::launch<32>(dots, weight, bias, row_lift, lift_coef, out, hub_rows_of);
+  static_assert(kMaxFusedHubK <= 2 * cuda::kWarp, "two slots a lane hold the longest list");
+  if (k <= cuda::kWarp) {
+    cuda::launch<1>(dots, weight, bias, row_lift, lift_coef, out, hub_rows_of);
   } else {
-    cuda::launch<kMaxFusedHubK>(dots, weight, bias, row_lift, lift_coef, out, hub_rows_of);
+    cuda::launch<2>(dots, weight, bias, row_lift, lift_coef, out, hub_rows_of);
   }
 }
 
