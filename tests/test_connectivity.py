@@ -123,17 +123,18 @@ def test_large_batches_rank_the_gathered_hub_rows(metric, dtype):
     assert torch.equal(on_host[1], on_gpu[1]) and torch.equal(on_host[0], on_gpu[0])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the warp-list selection is a CUDA kernel")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows, queries_count", [(300_000, 1_000), (20_000, 20_000)])
-def test_hub_selection_keeps_exact_order_among_equal_scores(dtype, rows, queries_count):
+def test_hub_selection_keeps_exact_order_among_equal_scores(device, dtype, rows, queries_count):
     # Small integer rows make many hubs score exactly alike (inner product: -<q, hub>, exact in
     # float32). The selection must return the k smallest by (score, hub), ascending, ties to the
-    # lower hub: k of one slot a lane (1, 5, 20, 32) and of two (33, 64), 300 hubs (a last round
-    # of 44 columns) and 20 (fewer than a warp's lanes). Both shapes are past the direct kernels.
+    # lower hub, on the CPU as on CUDA. There, both shapes are past the direct kernels and go
+    # through the warp-list selection: k of one slot a lane (1, 5, 20, 32) and of two (33, 64),
+    # 300 hubs (a last round of 44 columns) and 20 (fewer than a warp's lanes).
     g = torch.Generator().manual_seed(11)
-    data = torch.randint(-2, 3, (rows, 8), generator=g).to(dtype).cuda()
-    queries = torch.randint(-2, 3, (queries_count, 8), generator=g).to(dtype).cuda()
+    data = torch.randint(-2, 3, (rows, 8), generator=g).to(dtype).to(device)
+    queries = torch.randint(-2, 3, (queries_count, 8), generator=g).to(dtype).to(device)
     hubs = grnnd.diagnostics.hubs(data)
     score = -(queries.double() @ data[hubs].double().T)
     assert (score.sort(dim=1).values.diff(dim=1) == 0).double().mean() > 0.3  # many ties

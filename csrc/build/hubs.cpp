@@ -3,8 +3,13 @@
 #include "hubs.h"
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -34,6 +39,42 @@ at::Tensor dot_products(const at::Tensor& rows, const at::Tensor& hubs_t) {
   const bool half = rows.scalar_type() == at::kHalf || rows.scalar_type() == at::kBFloat16;
   if (half && rows.is_cuda()) return at::mm(rows, hubs_t, at::kFloat);
   return at::mm(rows.to(at::kFloat), hubs_t.to(at::kFloat));
+}
+
+// Columns of the k smallest of each row of CPU float32 scores [m, h], ascending by (score,
+// column): the CUDA selection's order, ties to the lower column (smallest_scores_cuda), which
+// at::topk leaves open. NaN and +inf rank as the largest finite float, as there. A bounded heap a
+// row: a column that does not beat the kept k-th costs one comparison.
+at::Tensor smallest_columns_cpu(const at::Tensor& scores, int64_t k) {
+  TORCH_CHECK(scores.device().is_cpu() && scores.scalar_type() == at::kFloat && scores.dim() == 2,
+              "smallest_columns_cpu: expected float32 CPU scores [m, h]");
+  const at::Tensor contiguous = scores.contiguous();
+  const int64_t m = contiguous.size(0), h = contiguous.size(1);
+  at::Tensor out = at::empty({m, k}, contiguous.options().dtype(at::kLong));
+  const float* data = contiguous.data_ptr<float>();
+  int64_t* columns = out.data_ptr<int64_t>();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<float, int64_t>> kept;  // a max-heap of (score, column)
+    kept.reserve(static_cast<size_t>(k));
+    for (int64_t r = begin; r < end; ++r) {
+      kept.clear();
+      const float* row = data + r * h;
+      for (int64_t c = 0; c < h; ++c) {
+        const std::pair<float, int64_t> pair{std::fmin(row[c], FLT_MAX), c};
+        if (static_cast<int64_t>(kept.size()) < k) {
+          kept.push_back(pair);
+          std::push_heap(kept.begin(), kept.end());
+        } else if (pair < kept.front()) {
+          std::pop_heap(kept.begin(), kept.end());
+          kept.back() = pair;
+          std::push_heap(kept.begin(), kept.end());
+        }
+      }
+      std::sort_heap(kept.begin(), kept.end());
+      for (int64_t j = 0; j < k; ++j) columns[r * k + j] = kept[static_cast<size_t>(j)].second;
+    }
+  });
+  return out;
 }
 
 }  // namespace
@@ -88,7 +129,9 @@ at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t 
 #endif
     scores.mul_(weight).add_(bias);
     if (row_lift.defined()) scores.addmm_(row_lift.unsqueeze(1), lift_coef.unsqueeze(0));
-    out.slice(0, start, end).copy_(std::get<1>(at::topk(scores, k, 1, /*largest=*/false, /*sorted=*/true)));
+    out.slice(0, start, end)
+        .copy_(scores.is_cuda() ? std::get<1>(at::topk(scores, k, 1, /*largest=*/false, /*sorted=*/true))
+                                : smallest_columns_cpu(scores, k));
   }
   return out;
 }
