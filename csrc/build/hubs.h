@@ -67,8 +67,9 @@ at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t 
                         const at::Tensor& rows_lift = at::Tensor(), const at::Tensor& hubs_lift = at::Tensor(),
                         int64_t max_scores = kScoreBudget);
 
-// On CUDA, nearest_hubs scores and selects in one kernel (csrc/cuda/hubs_cuda.cu) for k up to
-// this many hubs (the entry points of lists up to 128); beyond it at::topk selects.
+// On CUDA, nearest_hubs selects from the scores in one kernel (csrc/cuda/hubs_cuda.cu) for k up
+// to this many hubs (the entry points of lists up to 128); beyond it at::topk selects. On the CPU
+// a bounded heap a row selects at any k, in the same order (ties to the lower hub).
 constexpr int64_t kMaxFusedHubK = 64;
 
 // out [m, k] int64 (contiguous, k <= kMaxFusedHubK, k <= h): per row r of dots [m, h] (float32,
