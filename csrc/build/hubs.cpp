@@ -6,12 +6,13 @@
 #include <cfloat>
 #include <cmath>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include "../pyg/segments.h"
 
 namespace grnnd {
 
@@ -43,8 +44,8 @@ at::Tensor dot_products(const at::Tensor& rows, const at::Tensor& hubs_t) {
 
 // Columns of the k smallest of each row of CPU float32 scores [m, h], ascending by (score,
 // column): the CUDA selection's order, ties to the lower column (smallest_scores_cuda), which
-// at::topk leaves open. NaN and +inf rank as the largest finite float, as there. A bounded heap a
-// row: a column that does not beat the kept k-th costs one comparison.
+// at::topk leaves open. NaN and +inf rank as the largest finite float, as there, so every column
+// can go in (insert_nearest, the exact kernels' best k).
 at::Tensor smallest_columns_cpu(const at::Tensor& scores, int64_t k) {
   TORCH_CHECK(scores.device().is_cpu() && scores.scalar_type() == at::kFloat && scores.dim() == 2,
               "smallest_columns_cpu: expected float32 CPU scores [m, h]");
@@ -54,24 +55,13 @@ at::Tensor smallest_columns_cpu(const at::Tensor& scores, int64_t k) {
   const float* data = contiguous.data_ptr<float>();
   int64_t* columns = out.data_ptr<int64_t>();
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    std::vector<std::pair<float, int64_t>> kept;  // a max-heap of (score, column)
-    kept.reserve(static_cast<size_t>(k));
+    std::vector<float> best(static_cast<size_t>(k));
     for (int64_t r = begin; r < end; ++r) {
-      kept.clear();
+      int64_t* kept = columns + r * k;
+      std::fill(best.begin(), best.end(), INFINITY);
+      std::fill(kept, kept + k, int64_t{-1});
       const float* row = data + r * h;
-      for (int64_t c = 0; c < h; ++c) {
-        const std::pair<float, int64_t> pair{std::fmin(row[c], FLT_MAX), c};
-        if (static_cast<int64_t>(kept.size()) < k) {
-          kept.push_back(pair);
-          std::push_heap(kept.begin(), kept.end());
-        } else if (pair < kept.front()) {
-          std::pop_heap(kept.begin(), kept.end());
-          kept.back() = pair;
-          std::push_heap(kept.begin(), kept.end());
-        }
-      }
-      std::sort_heap(kept.begin(), kept.end());
-      for (int64_t j = 0; j < k; ++j) columns[r * k + j] = kept[static_cast<size_t>(j)].second;
+      for (int64_t c = 0; c < h; ++c) insert_nearest(best.data(), kept, k, std::fmin(row[c], FLT_MAX), c);
     }
   });
   return out;

@@ -69,7 +69,7 @@ at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t 
 
 // On CUDA, nearest_hubs selects from the scores in one kernel (csrc/cuda/hubs_cuda.cu) for k up
 // to this many hubs (the entry points of lists up to 128); beyond it at::topk selects. On the CPU
-// a bounded heap a row selects at any k, in the same order (ties to the lower hub).
+// insert_nearest selects at any k, in the same order (ties to the lower hub).
 constexpr int64_t kMaxFusedHubK = 64;
 
 // out [m, k] int64 (contiguous, k <= kMaxFusedHubK, k <= h): per row r of dots [m, h] (float32,

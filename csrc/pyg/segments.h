@@ -50,9 +50,10 @@ C10_HOST_DEVICE inline SegmentRange segment_range_in_batch(const int64_t* batch_
   return {begin, end < begin ? begin : end};
 }
 
-// The exact CPU kernels' best k of a query, ascending by (distance, row): (d, row) goes in if it
-// comes before the k-th, entries after it move up one slot. Candidates in row order then keep
-// the lower row of a tie, and candidates in any other order end the same. Empty slots are
+// The exact CPU kernels' best k of a query (and the CPU's nearest hubs, csrc/build/hubs.cpp),
+// ascending by (distance, row): (d, row) goes in if it comes before the k-th, entries after it
+// move up one slot. Candidates in row order then keep the lower row of a tie, and candidates in
+// any other order end the same. Empty slots are
 // (+inf, -1): every finite distance goes before them, an infinite one never does.
 C10_HOST_DEVICE inline void insert_nearest(float* best_d, int64_t* best_i, int64_t k, float d, int64_t row) {
   const auto before = [&](int64_t p) { return d < best_d[p] || (d == best_d[p] && row < best_i[p]); };
