@@ -26,7 +26,9 @@ Measures (CUDA events, after a warm-up; extension compile excluded):
     the rows and by each of --codes.
 With --compare PREVIOUS.json (a run of the same data on the same GPU model), every point more
 than 5% slower at equal recall is listed (a table of the report, REGRESSION lines) and the run
-exits with status 3: run it before and after a change to the build or the search.
+exits with status 3: run it before and after a change to the build or the search. --compare
+latest takes the newest result under --out of the same data, GPU model and build settings (by
+the commit that last changed it), the previous committed run of this benchmark.
 A data path may end in ``:pca=D``: base and queries projected on the base's top D principal
 directions (fitted on a 100k-row sample) and normalised again, a lower-dimensional real set.
 Writes gpu_<data>.{json,md,png} under --out.
@@ -42,7 +44,7 @@ import torch
 import torch_grnnd as grnnd
 from benchmarks.common import brute_force, cuda_time, exact_knn_graph, parse_settings
 from benchmarks.datasets import load_data
-from benchmarks.report import machine, regression_table, regressions, write
+from benchmarks.report import latest_result, machine, regression_table, regressions, write
 
 
 def bytes_per_query(base, dists_per_query: float, list_size: int, codes=None) -> float:
@@ -174,8 +176,9 @@ def main():
     p.add_argument("--build", default="", help="build params, e.g. pool_size=64,inner_iters=8")
     p.add_argument("--codes", default="", help="comma-separated code kinds to search by as well, same graph: "
                    "int8, int4, or int4@C for int4 codes about C cells (int4: as grnnd.encode chooses)")
-    p.add_argument("--compare", default="", help="a previous run's JSON (same data, same GPU model): flag every "
-                   "point more than 5%% slower at equal recall, and exit with status 3 if there is one")
+    p.add_argument("--compare", default="", help="a previous run's JSON (same data, same GPU model), or 'latest': "
+                   "the newest result under --out of this data, GPU model and build settings (report.latest_result); "
+                   "flag every point more than 5%% slower at equal recall, and exit with status 3 if there is one")
     p.add_argument("--sweep", nargs="*", default=[], help="build configurations to compare, each like --build")
     args = p.parse_args()
     device = "cuda"
@@ -257,13 +260,16 @@ def main():
     results = {"title": f"GPU build + search, {name}", "data": f"{name} {tuple(base.shape)} {base.dtype}",
                "machine": machine(threads=torch.get_num_threads(), cuda=True), "methods": methods, **extra}
     found = []
-    if args.compare:
-        with open(args.compare) as f:
+    previous = latest_result(args.out, results) if args.compare == "latest" else args.compare
+    if args.compare and previous is None:
+        print(f"--compare latest: no result in {args.out} of this data, GPU model and build settings", flush=True)
+    elif previous:
+        with open(previous) as f:
             found = regressions(results, json.load(f))
-        results.setdefault("tables", []).append(regression_table(found, args.compare))
+        results.setdefault("tables", []).append(regression_table(found, previous))
         for row in found:
             print(f"REGRESSION {row[0]}: recall@10 {row[1]:.4f}, {row[2]:,.0f} -> {row[3]:,.0f} ({row[4]:.2f}x)")
-        print(f"against {args.compare}: {len(found)} points more than 5% slower at equal recall", flush=True)
+        print(f"against {previous}: {len(found)} points more than 5% slower at equal recall", flush=True)
     for path in write(args.out, f"gpu_{name}", results):
         print("wrote", path)
     if found:

@@ -10,8 +10,10 @@ kept in the JSON.
 import argparse
 import json
 import math
+import glob
 import os
 import platform
+import subprocess
 import time
 
 import torch
@@ -145,6 +147,37 @@ def regressions(current: dict, previous: dict, tolerance: float = REGRESSION_TOL
                 what = ", ".join(f"{c} {row[table['columns'].index(c)]}" for c in key_columns if c in table["columns"])
                 found.append([f"small batch: {what}", row[recall], 1000 / old[ms], 1000 / row[ms], old[ms] / row[ms]])
     return found
+
+
+def _saved_at(path: str) -> float:
+    """When a result was saved: the time of the last commit that changed it, else (no git, or a
+    file not committed) the file's own time."""
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%ct", "--", os.path.basename(path)],
+                             cwd=os.path.dirname(os.path.abspath(path)), capture_output=True, text=True, timeout=30)
+        if out.returncode == 0 and out.stdout.strip():
+            return float(out.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.path.getmtime(path)
+
+
+def latest_result(directory: str, like: dict, prefix: str = "gpu_"):
+    """The newest result in ``directory`` (``prefix``*.json) of ``like``'s data, GPU model and
+    build settings, to compare ``like`` against (:func:`regressions`), or None. Newest by
+    :func:`_saved_at`; of two saved together, the one not named ``*_before``."""
+    def key(results: dict) -> tuple:
+        return (results.get("data"), results.get("machine", {}).get("gpu"),
+                json.dumps(results.get("build", {}).get("params"), sort_keys=True))
+    wanted, found = key(like), []
+    for path in glob.glob(os.path.join(directory, prefix + "*.json")):
+        try:
+            with open(path) as f:
+                if key(json.load(f)) == wanted:
+                    found.append(path)
+        except (OSError, ValueError):
+            continue
+    return max(found, key=lambda p: (_saved_at(p), not p.endswith("_before.json"), p), default=None)
 
 
 def regression_table(found: list, previous_path: str) -> dict:

@@ -13,7 +13,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.report import regression_table, regressions  # noqa: E402
+from benchmarks.report import latest_result, regression_table, regressions  # noqa: E402
 
 RUN = os.path.join(ROOT, "benchmarks", "results", "gpu_text1m_minilm_int8_h200.json")
 
@@ -214,3 +214,28 @@ def test_neighbours_within_clusters_are_the_exact_ones_where_clusters_lie_apart(
     assert (near[seven, 6:] == -1).all() and torch.allclose(found[seven, :6], exact[seven, :6], rtol=1e-5)
     rest = ~(alone | seven)
     assert (near[rest] >= 0).all() and torch.allclose(found[rest], exact[rest], rtol=1e-5)
+
+
+def test_latest_result_is_the_newest_of_the_same_data_gpu_and_build(tmp_path):
+    # bench_gpu.py --compare latest: the previous result to compare a run with is the newest of
+    # the same data, GPU model and build settings (outside git: by the files' times), and of two
+    # saved together the one not named *_before.
+    def saved(name, when, gpu="NVIDIA H200", params=None, data="embeddings (1000000, 384) torch.float16"):
+        path = tmp_path / name
+        path.write_text(json.dumps({"data": data, "machine": {"gpu": gpu}, "build": {"params": params or {}},
+                                    "methods": []}))
+        os.utime(path, (when, when))
+        return str(path)
+
+    saved("gpu_a.json", 100)
+    newest = saved("gpu_b.json", 200)
+    saved("gpu_b_before.json", 200)
+    saved("gpu_c.json", 300, gpu="NVIDIA H100 80GB HBM3")
+    saved("gpu_d.json", 400, params={"degree": 32})
+    saved("gpu_e.json", 500, data="clustered (1000000, 384) torch.float16")
+    (tmp_path / "gpu_f.json").write_text("{ not json")
+    run = {"data": "embeddings (1000000, 384) torch.float16", "machine": {"gpu": "NVIDIA H200"},
+           "build": {"params": {}}}
+    assert latest_result(str(tmp_path), run) == newest
+    assert latest_result(str(tmp_path), {**run, "build": {"params": {"degree": 32}}}) == str(tmp_path / "gpu_d.json")
+    assert latest_result(str(tmp_path), {**run, "machine": {"gpu": "NVIDIA B200"}}) is None
