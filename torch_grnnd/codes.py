@@ -214,12 +214,22 @@ def _spread_seeds(x: Tensor, cells: int, generator: torch.Generator) -> Tensor:
     draws = torch.rand(cells, generator=generator, dtype=torch.float64).to(x.device)
     seeds = torch.empty(cells, x.shape[1], dtype=x.dtype, device=x.device)
     seeds[0] = x[int(draws[0] * n)]
-    nearest = (x - seeds[0]).square().sum(1).double()
+    # |x - s|^2 = |x|^2 + |s|^2 - 2 <x, s>: one pass over the rows a draw (a matrix-vector
+    # product) where the difference, its square and their sum took three, each writing or reading
+    # a copy of the sample (158 of the 0.24-0.30 s that 1 000 draws took at 65 536 x 384, H200).
+    # The product's float32 rounding (about 1e-7 of |x|^2) only matters for rows next to a seed,
+    # whose draw weights are about 0 either way.
+    norms = x.double().square().sum(1)
+
+    def distances(seed: Tensor) -> Tensor:
+        return (norms + seed.double().square().sum() - 2 * torch.mv(x, seed).double()).clamp_min_(0)
+
+    nearest = distances(seeds[0])
     for j in range(1, cells):  # no host synchronisation: the pick stays a tensor
         total = nearest.cumsum(0)
         pick = torch.searchsorted(total, (draws[j] * total[-1])[None]).clamp_max_(n - 1)
         seeds[j] = x.index_select(0, pick)[0]
-        nearest = torch.minimum(nearest, (x - seeds[j]).square().sum(1).double())
+        nearest = torch.minimum(nearest, distances(seeds[j]))
     return seeds
 
 
