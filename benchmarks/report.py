@@ -8,9 +8,9 @@
 kept in the JSON.
 """
 import argparse
+import glob
 import json
 import math
-import glob
 import os
 import platform
 import subprocess

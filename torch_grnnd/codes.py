@@ -219,7 +219,7 @@ def _spread_seeds(x: Tensor, cells: int, generator: torch.Generator) -> Tensor:
     # a copy of the sample (158 of the 0.24-0.30 s that 1 000 draws took at 65 536 x 384, H200).
     # The product's float32 rounding (about 1e-7 of |x|^2) only matters for rows next to a seed,
     # whose draw weights are about 0 either way.
-    norms = x.double().square().sum(1)
+    norms = x.square().sum(1, dtype=torch.float64)  # no float64 copy of the sample
 
     def distances(seed: Tensor) -> Tensor:
         return (norms + seed.double().square().sum() - 2 * torch.mv(x, seed).double()).clamp_min_(0)
