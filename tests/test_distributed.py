@@ -8,6 +8,7 @@ With a GPU, two gloo ranks share it (the CUDA path of the same code); with two, 
 import os
 import tempfile
 import time
+from typing import Tuple
 
 import pytest
 import torch
@@ -317,16 +318,29 @@ def dying_worker(rank: int, init: str, out: str):
     os._exit(0)
 
 
-def test_a_rank_that_dies_makes_the_others_raise():
+def spawn_ranks(target, world: int, seconds: float) -> Tuple[str, bool]:
+    """Run ``target(rank, init, out)`` in ``world`` spawned processes joined by a file rendezvous
+    in a new folder ``out``; ``(out, whether any was still running after seconds)``, the hung
+    ones killed."""
     out = tempfile.mkdtemp()
     init = "file://" + os.path.join(out, "rendezvous")
     context = mp.get_context("spawn")
-    workers = [context.Process(target=dying_worker, args=(rank, init, out)) for rank in range(2)]
+    workers = [context.Process(target=target, args=(rank, init, out)) for rank in range(world)]
     for w in workers:
         w.start()
+    deadline = time.monotonic() + seconds
     for w in workers:
-        w.join(timeout=120)
-    assert not any(w.is_alive() for w in workers), "a rank hung"
+        w.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = any(w.is_alive() for w in workers)
+    for w in workers:
+        if w.is_alive():
+            w.kill()
+    return out, hung
+
+
+def test_a_rank_that_dies_makes_the_others_raise():
+    out, hung = spawn_ranks(dying_worker, 2, seconds=120)
+    assert not hung, "a rank hung"
     seconds, outcome = open(os.path.join(out, "outcome.txt")).read().split("\n", 1)
     assert outcome.startswith("raised") and float(seconds) <= 60, outcome
 
@@ -348,3 +362,34 @@ def test_a_shard_the_borders_rule_out_holds_no_neighbour(metric):
         own = part.rank_order(part.scores(queries))[:, 0]
         assert bool(reach.gather(1, own[:, None]).all())
         assert float(part.reachable(part.scores(queries), torch.zeros(500)).sum(1).float().mean()) < 1.01
+
+
+def host_group_worker(rank: int, init: str, out: str):
+    from unittest import mock
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=3)
+    dist.new_group([0, 1])  # a group of the program's own, made before the library's
+    subgroup = dist.new_group([1, 2])
+    # As under NCCL: the host group is made inside a call, after the program's groups. A group
+    # spanning every rank gets a gloo group of its own (the same one on every later call); a group
+    # of fewer ranks agrees through itself.
+    with mock.patch.object(grnnd.distributed.dist, "get_backend", return_value="nccl"):
+        host = grnnd.distributed._host_group(None)
+        again = grnnd.distributed._host_group(None)
+        sub = grnnd.distributed._host_group(subgroup) if rank > 0 else None
+    gathered = torch.empty(3, dtype=torch.long)
+    dist.all_gather_into_tensor(gathered, torch.tensor([10 + rank]), group=host)
+    torch.save({"same": host is again, "distinct": host is not dist.group.WORLD and host is not None,
+                "gathered": gathered.tolist(), "sub_itself": sub is subgroup if rank > 0 else True},
+               os.path.join(out, f"host{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_the_host_group_of_an_nccl_group_is_made_after_other_groups_without_hanging():
+    # ReplicatedIndex.search agrees on the host (a gloo group beside NCCL's), a group made on the
+    # first search, after whatever groups the program made before; made there with
+    # use_local_synchronization it hung (torch 2.11 over NCCL, 2.13 over gloo).
+    out, hung = spawn_ranks(host_group_worker, 3, seconds=90)
+    assert not hung, "the host group's creation hung"
+    for rank in range(3):
+        seen = torch.load(os.path.join(out, f"host{rank}.pt"))
+        assert seen == {"same": True, "distinct": True, "gathered": [10, 11, 12], "sub_itself": True}, (rank, seen)
