@@ -5,6 +5,7 @@ ranks raise on every rank instead of hanging, and a rank that dies makes the oth
 
 With a GPU, two gloo ranks share it (the CUDA path of the same code); with two, NCCL joins them.
 """
+import functools
 import os
 import tempfile
 import time
@@ -91,9 +92,9 @@ def worker(rank: int, world: int, init: str, out: str, device: str, backend: str
     # The rows move in rounds bounded in bytes: rounds of 37 rows (a different number of rounds
     # on each rank, the shards being uneven) give each rank the rows one round gives, intact.
     own_ids = torch.arange(bounds[rank], bounds[rank + 1]).to(device)
-    _, one_round = grnnd.distributed._to_partitions(mine, own_ids, parted.partition, None)
+    _, one_round = grnnd.distributed._to_ranks(mine, own_ids, parted.partition.ranks(mine), None)
     grnnd.distributed._EXCHANGE_BYTES = 37 * DIM * mine.element_size()
-    rows, ids = grnnd.distributed._to_partitions(mine, own_ids, parted.partition, None)
+    rows, ids = grnnd.distributed._to_ranks(mine, own_ids, parted.partition.ranks(mine), None)
     grnnd.distributed._EXCHANGE_BYTES = 1 << 30
     result["rounds_same_ids"] = torch.equal(ids.sort().values.cpu(), one_round.sort().values.cpu())
     result["rounds_rows_intact"] = torch.equal(rows.cpu(), data[ids.cpu()].to(rows.dtype))
@@ -393,3 +394,82 @@ def test_the_host_group_of_an_nccl_group_is_made_after_other_groups_without_hang
     for rank in range(3):
         seen = torch.load(os.path.join(out, f"host{rank}.pt"))
         assert seen == {"same": True, "distinct": True, "gathered": [10, 11, 12], "sub_itself": True}, (rank, seen)
+
+
+def balance_worker(rank: int, init: str, out: str, world: int = 3, device: str = "cpu", backend: str = "gloo"):
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    data, _ = dataset()
+    loads = [300 * (r + 1) for r in range(world)]  # uneven shards: 300, 600, 900 rows
+    first = sum(loads[:rank])
+    index = grnnd.distributed.ShardedIndex.build(data[first:first + loads[rank]].to(device))
+    # Every new row reaches rank 0 (a stream of them arriving there): they go to the least-loaded
+    # shards, numbered after every id so far as without balance.
+    everyone = clustered(sum(loads) // 2, DIM, 30, seed=53).to(device)
+    new = everyone if rank == 0 else everyone[:0]
+    index.add(new, balance=True)
+    result = {"live": len(index.local), "total": len(index)}
+    result["found"] = index.search(everyone, 1, list_size=64)[1][:, 0].cpu()
+    # No new rows anywhere: nothing moves.
+    index.add(torch.empty(0, DIM, device=device), balance=True)
+    result["live_after_none"] = len(index.local)
+    errors = []
+    parted = grnnd.distributed.ShardedIndex.build(data[first:first + loads[rank]].to(device), partition=True)
+    for bad in (lambda: index.add(new[:0], balance=rank == 0),  # the ranks disagree
+                lambda: parted.add(new[:0], balance=True)):  # a partition places rows itself
+        try:
+            bad()
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    result["errors"] = errors
+    torch.save(result, os.path.join(out, f"balance{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def check_balance(out: str, world: int):
+    loads = [300 * (r + 1) for r in range(world)]
+    added = sum(loads) // 2
+    results = [torch.load(os.path.join(out, f"balance{r}.pt")) for r in range(world)]
+    live = [r["live"] for r in results]
+    # Water filling: the shards end level where the new rows suffice, the fuller ones unchanged.
+    level = (sum(loads) + added) // world
+    assert max(live) - min(live) <= max(0, max(loads) - level) + 1, live
+    assert sum(live) == sum(loads) + added and all(r["total"] == sum(loads) + added for r in results)
+    assert all(after >= before for after, before in zip(live, loads))
+    want = torch.arange(sum(loads), sum(loads) + added)
+    for r in results:
+        assert (r["found"] == want).float().mean() >= 0.99  # every rank finds the added rows by their ids
+        assert r["live_after_none"] == r["live"]
+        assert "disagree on balance" in r["errors"][0]
+        assert "a partitioned index places each vector" in r["errors"][1]
+
+
+def test_a_balanced_add_fills_the_least_loaded_shards():
+    out, hung = spawn_ranks(balance_worker, 3, seconds=120)
+    assert not hung, "a rank hung"
+    check_balance(out, 3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_balanced_add_over_nccl():
+    out, hung = spawn_ranks(functools.partial(balance_worker, world=2, device="cuda", backend="nccl"), 2, seconds=180)
+    assert not hung, "a rank hung"
+    check_balance(out, 2)
+
+
+@pytest.mark.parametrize("live, rows, quotas", [
+    ([300, 600, 900], [900, 0, 0], [600, 300, 0]),  # level 900
+    ([10, 10, 10], [4, 0, 0], [2, 1, 1]),  # the leftover to the lower ranks
+    ([5, 0], [0, 3], [0, 3]),  # the shards stay uneven where the rows do not suffice
+    ([0, 0], [0, 0], [0, 0]),
+])
+def test_least_loaded_placement(live, rows, quotas):
+    got = [0] * len(live)
+    for rank in range(len(live)):
+        for place in grnnd.distributed._least_loaded_ranks(rows, live, rank, torch.device("cpu")).tolist():
+            got[place] += 1
+    assert got == quotas

@@ -490,15 +490,15 @@ def _all_to_all_rows(rows: Tensor, counts: Sequence[int], group: Optional[dist.P
 _EXCHANGE_BYTES = 1 << 30
 
 
-def _to_partitions(rows: Tensor, ids: Tensor, partition: Partition,
-                   group: Optional[dist.ProcessGroup]) -> Tuple[Tensor, Tensor]:
-    """This rank's share of every rank's ``rows`` (and their ids) once each row has gone to the
-    rank its partition gives it. The rows move in rounds of at most
-    ``_EXCHANGE_BYTES`` per rank, each received straight into its place in one buffer, so the
-    memory it needs beyond the rows it keeps and gets is one round's."""
+def _to_ranks(rows: Tensor, ids: Tensor, parts: Tensor,
+              group: Optional[dist.ProcessGroup]) -> Tuple[Tensor, Tensor]:
+    """This rank's share of every rank's ``rows`` (and their ids) once each row has gone to its
+    rank in ``parts`` (by a partition, :meth:`Partition.ranks`, or to even the shards,
+    :func:`_least_loaded_ranks`). The rows move in rounds of at most ``_EXCHANGE_BYTES`` per
+    rank, each received straight into its place in one buffer, so the memory it needs beyond the
+    rows it keeps and gets is one round's."""
     world, n = dist.get_world_size(group), rows.shape[0]
     device = _comm_device(group)
-    parts = partition.ranks(rows)
     per_round = max(1, _EXCHANGE_BYTES // max(1, rows[:1].numel() * rows.element_size()))
     rounds = torch.tensor([-(-n // per_round)], dtype=torch.long, device=device)
     dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=group)
@@ -520,6 +520,31 @@ def _to_partitions(rows: Tensor, ids: Tensor, partition: Partition,
                                    input_split_sizes=out, group=group)
         filled = end
     return received.to(rows.device), received_ids.to(ids.device)
+
+
+def _least_loaded_ranks(rows_each: Sequence[int], live_each: Sequence[int], rank: int,
+                        device: torch.device) -> Tensor:
+    """The rank each of this rank's ``rows_each[rank]`` new rows goes to so that the shards' live
+    rows (``live_each``) end as even as they can: every rank's new rows, in rank order, fill the
+    least-loaded shards up to a common level (water filling), what rounding leaves over going
+    to the lower ranks at that level. Every rank computes the same placement from the same
+    table."""
+    total = sum(rows_each)
+    level = min(live_each)  # the lowest level the new rows reach, with room >= total there
+    while sum(max(0, level - live) for live in live_each) < total:
+        level += max(1, (total - sum(max(0, level - live) for live in live_each)) // len(live_each))
+    quotas = [max(0, level - live) for live in live_each]
+    excess = sum(quotas) - total  # < the ranks at the level: one fewer for the highest of them
+    for r in reversed(range(len(quotas))):
+        if excess == 0:
+            break
+        if quotas[r] > 0 and live_each[r] + quotas[r] == level:
+            quotas[r] -= 1
+            excess -= 1
+    ends = torch.tensor(quotas, dtype=torch.long).cumsum(0)
+    first = sum(rows_each[:rank])
+    places = torch.arange(first, first + rows_each[rank], dtype=torch.long)
+    return torch.searchsorted(ends, places, right=True).to(device)
 
 
 def _routed(local_search, queries: Tensor, pairs: Tensor, k: int,
@@ -632,21 +657,27 @@ class ShardedIndex:
                 raise ValueError(f"cells: expected at least 1 a rank, got {cells}")
             placed = _partition(local_data, metric, [row[0] for row in sizes], group,
                                 BuildParams.merge(params, seed=settings.get("seed")).seed, cells)
-            local_data, ids = _to_partitions(local_data, ids, placed, group)
+            local_data, ids = _to_ranks(local_data, ids, placed.ranks(local_data), group)
             user_ids = True  # a shard's ids no longer follow the ranks
         local = Index.build(local_data, params, metric=metric, ids=ids, progress=progress, **settings)
         index = cls(local, offset if placed is None else 0, total, group, user_ids, placed, probes)
         index.next_id = total if numbered else None
         return index
 
-    def add(self, vectors: Tensor, ids: Optional[Tensor] = None, *, progress: Progress = False) -> None:
+    def add(self, vectors: Tensor, ids: Optional[Tensor] = None, *, balance: bool = False,
+            progress: Progress = False) -> None:
         """Add this rank's ``vectors`` [B, D] (every rank calls it, each with its own, possibly
         none). A partitioned index sends each to the shard its partition gives it; otherwise they
-        join this rank's shard (:meth:`Index.add`). ``ids``: their user ids, on every rank or none,
-        as the build had them; without, the vectors are numbered after every id so far, rank by
-        rank."""
+        join this rank's shard (:meth:`Index.add`), or with ``balance=True`` (the same on every
+        rank) the least-loaded shards, so that the shards' live vectors end as even as they can
+        (a stream of new vectors that reaches one rank, or shards that ``remove`` thinned
+        unevenly). ``ids``: their user ids, on every rank or none, as the build had them;
+        without, the vectors are numbered after every id so far, rank by rank."""
         what = "ShardedIndex.add"
-        offset, added, _ = _setup(what, self.group, vectors, self.local.metric, has_ids=int(ids is not None))
+        offset, added, _ = _setup(what, self.group, vectors, self.local.metric, has_ids=int(ids is not None),
+                                  balance=int(balance))
+        if balance and self.partition is not None:
+            raise ValueError(f"{what}: balance: a partitioned index places each vector in the shard of its cell")
         if (ids is None) != (self.next_id is not None):
             raise ValueError(f"{what}: ids are " + ("required: the index has user ids" if ids is None else
                                                     "not taken: the index numbers its vectors itself"))
@@ -656,7 +687,12 @@ class ShardedIndex:
         elif ids.shape != (vectors.shape[0],):
             raise ValueError(f"{what}: ids: expected shape [{vectors.shape[0]}], got {tuple(ids.shape)}")
         if self.partition is not None:
-            vectors, ids = _to_partitions(vectors, ids.to(vectors.device), self.partition, self.group)
+            vectors, ids = _to_ranks(vectors, ids.to(vectors.device), self.partition.ranks(vectors), self.group)
+        elif balance:
+            table = _agree(self.group, what, rows_each=vectors.shape[0], live_each=len(self.local))
+            places = _least_loaded_ranks([row[0] for row in table], [row[1] for row in table],
+                                         dist.get_rank(self.group), vectors.device)
+            vectors, ids = _to_ranks(vectors, ids.to(vectors.device), places, self.group)
         if vectors.shape[0] > 0:
             self.local.add(vectors, ids.to(self.local.device), progress=progress)
         self.total += added
