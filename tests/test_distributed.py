@@ -143,6 +143,10 @@ def worker(rank: int, world: int, init: str, out: str, device: str, backend: str
     result["more_own_storage"] = local_rows.untyped_storage().nbytes() == local_rows.numel() * local_rows.element_size()
     replicated = grnnd.distributed.ReplicatedIndex(grnnd.Index.build(data.to(device)))
     result["replicated"] = [t.cpu() for t in replicated.search(queries.to(device), 10, list_size=64)]
+    # Over a group of fewer ranks (under NCCL it agrees through NCCL itself, not a host group).
+    if rank < world - 1:
+        fewer_copy = grnnd.distributed.ReplicatedIndex(replicated.index, group=fewer)
+        result["replicated_fewer"] = fewer_copy.search(queries.to(device), 10, list_size=64)[1].cpu()
     # Mismatches: every rank must raise (a hang would time the test out).
     errors = []
     # A saved shard with one live vector cannot be split over every rank.
@@ -248,6 +252,8 @@ def check(results, world):
     for r in results:
         assert torch.equal(r["replicated"][1], results[0]["replicated"][1])
     assert results[0]["replicated"][1].shape == (QUERIES, 10)
+    for r in results[:world - 1]:
+        assert torch.equal(r["replicated_fewer"], results[0]["replicated"][1])
     assert recall(results[0]["replicated"][1], truth) >= recall(one, truth) - 0.01
     # Every rank raised on every mismatch, with a message naming what differs; a rank whose own
     # search failed gives its own error.
@@ -416,13 +422,18 @@ def balance_worker(rank: int, init: str, out: str, world: int = 3, device: str =
     index.add(torch.empty(0, DIM, device=device), balance=True)
     result["live_after_none"] = len(index.local)
     errors = []
-    parted = grnnd.distributed.ShardedIndex.build(data[first:first + loads[rank]].to(device), partition=True)
+    shard = data[first:first + loads[rank]].to(device)
+    parted = grnnd.distributed.ShardedIndex.build(shard, partition=True)
+    user = grnnd.distributed.ShardedIndex.build(shard, ids=torch.arange(first, first + loads[rank], device=device))
     for bad in (lambda: index.add(new[:0], balance=rank == 0),  # the ranks disagree
-                lambda: parted.add(new[:0], balance=True)):  # a partition places rows itself
+                lambda: parted.add(new[:0], balance=True),  # a partition places rows itself
+                # ids of the wrong length on one rank: every rank raises before the rows move.
+                lambda: user.add(everyone[:4], ids=torch.arange(10**6, 10**6 + 4 + (rank == 0), device=device),
+                                 balance=True)):
         try:
             bad()
             errors.append(None)
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:
             errors.append(str(e))
     result["errors"] = errors
     torch.save(result, os.path.join(out, f"balance{rank}.pt"))
@@ -445,6 +456,8 @@ def check_balance(out: str, world: int):
         assert r["live_after_none"] == r["live"]
         assert "disagree on balance" in r["errors"][0]
         assert "a partitioned index places each vector" in r["errors"][1]
+    assert "ids: expected shape [4], got (5,)" in results[0]["errors"][2]
+    assert all("failed on rank(s) [0]" in r["errors"][2] for r in results[1:])
 
 
 def test_a_balanced_add_fills_the_least_loaded_shards():

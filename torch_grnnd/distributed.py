@@ -108,10 +108,10 @@ def _host_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGrou
 def _agree(group: Optional[dist.ProcessGroup], what: str, on_host: bool = False, **fields: int) -> List[List[int]]:
     """Every rank's values of ``fields`` (ints), after checking that they are equal on all ranks
     (fields named ``*_each`` may differ); raises on every rank where they are not. ``on_host``:
-    gathered on the host (_host_group), waiting for no GPU work."""
+    gathered on the host where _host_group gives a host group, waiting for no GPU work."""
     names = list(fields)
     gather_group = _host_group(group) if on_host else group
-    device = torch.device("cpu") if on_host else _comm_device(group)
+    device = _comm_device(gather_group)  # a subgroup under NCCL still agrees through NCCL, on the GPU
     mine = torch.tensor([fields[n] for n in names], dtype=torch.long, device=device)
     everyone = torch.empty(dist.get_world_size(group) * len(names), dtype=torch.long, device=device)
     _all_gather_single(everyone, mine, group=gather_group)
@@ -530,9 +530,14 @@ def _least_loaded_ranks(rows_each: Sequence[int], live_each: Sequence[int], rank
     to the lower ranks at that level. Every rank computes the same placement from the same
     table."""
     total = sum(rows_each)
-    level = min(live_each)  # the lowest level the new rows reach, with room >= total there
-    while sum(max(0, level - live) for live in live_each) < total:
-        level += max(1, (total - sum(max(0, level - live) for live in live_each)) // len(live_each))
+    # The lowest level with room for every new row: the i least-loaded shards filled to
+    # ceil((total + their rows) / i), for the first i where that leaves the next shard untouched.
+    order, held = sorted(live_each), 0
+    for i, live in enumerate(order, 1):
+        held += live
+        level = -(-(total + held) // i)
+        if i == len(order) or level <= order[i]:
+            break
     quotas = [max(0, level - live) for live in live_each]
     excess = sum(quotas) - total  # < the ranks at the level: one fewer for the highest of them
     for r in reversed(range(len(quotas))):
@@ -674,8 +679,16 @@ class ShardedIndex:
         unevenly). ``ids``: their user ids, on every rank or none, as the build had them;
         without, the vectors are numbered after every id so far, rank by rank."""
         what = "ShardedIndex.add"
-        offset, added, _ = _setup(what, self.group, vectors, self.local.metric, has_ids=int(ids is not None),
-                                  balance=int(balance))
+        # Checked before the agreement, whose failures every rank hears of: a rank that raised
+        # alone would leave the others waiting in the exchange of the rows.
+        bad_ids = ids is not None and ids.shape != (vectors.shape[0],)
+        try:
+            offset, added, _ = _setup(what, self.group, vectors, self.local.metric, has_ids=int(ids is not None),
+                                      balance=int(balance), failed_each=int(bad_ids))
+        except RanksFailed:
+            if bad_ids:
+                raise ValueError(f"{what}: ids: expected shape [{vectors.shape[0]}], got {tuple(ids.shape)}") from None
+            raise
         if balance and self.partition is not None:
             raise ValueError(f"{what}: balance: a partitioned index places each vector in the shard of its cell")
         if (ids is None) != (self.next_id is not None):
@@ -684,8 +697,6 @@ class ShardedIndex:
         if ids is None:
             ids = torch.arange(self.next_id + offset, self.next_id + offset + vectors.shape[0], device=vectors.device)
             self.next_id += added
-        elif ids.shape != (vectors.shape[0],):
-            raise ValueError(f"{what}: ids: expected shape [{vectors.shape[0]}], got {tuple(ids.shape)}")
         if self.partition is not None:
             vectors, ids = _to_ranks(vectors, ids.to(vectors.device), self.partition.ranks(vectors), self.group)
         elif balance:
