@@ -183,16 +183,18 @@ class RanksFailed(RuntimeError):
 
 
 def _setup(what: str, group: Optional[dist.ProcessGroup], data: Tensor, metric: str,
-           queries: Optional[Tensor] = None, on_host: bool = False, **extra: int) -> Tuple[int, int, List[int]]:
+           queries: Optional[Tensor] = None, on_host: bool = False, failure: Optional[Exception] = None,
+           **extra: int) -> Tuple[int, int, List[int]]:
     """``(offset, total, query_sizes)``: this rank's first global id, the rows on all ranks and
     every rank's number of queries, once the ranks agree on everything that must be equal.
-    Nothing here raises on one rank alone: what is checked is the same on every rank. A field
-    ``failed_each`` (1 where the rank's own work failed) makes every rank raise RanksFailed when
-    it is 1 anywhere, after the checks. ``on_host``: as :func:`_agree`."""
+    Nothing here raises on one rank alone: what is checked is the same on every rank. A
+    ``failure`` (this rank's own work failed, or would) is part of the agreement: after the
+    checks, a rank with one raises it and the others RanksFailed. ``on_host``: as :func:`_agree`."""
     fields = dict(rows_each=data.shape[0] if data.dim() == 2 else -1,
                   dim=data.shape[1] if data.dim() == 2 else -1,
                   dtype=_DTYPES.index(data.dtype) if data.dtype in _DTYPES else -1,
-                  metric=_METRICS.index(metric) if metric in _METRICS else -1, **extra)
+                  metric=_METRICS.index(metric) if metric in _METRICS else -1,
+                  failed_each=int(failure is not None), **extra)
     if queries is not None:
         fields.update(queries_each=queries.shape[0] if queries.dim() == 2 else -1,
                       query_dim=queries.shape[1] if queries.dim() == 2 else -1,
@@ -208,7 +210,9 @@ def _setup(what: str, group: Optional[dist.ProcessGroup], data: Tensor, metric: 
         raise ValueError(f'{what}: metric must be "l2", "ip" or "cosine", got {metric!r}')
     if queries is not None and fields["query_dim"] != fields["dim"]:
         raise ValueError(f"{what}: queries have {fields['query_dim']} columns, the data {fields['dim']}")
-    failed = [r for r, flag in enumerate(column.get("failed_each", [])) if flag]
+    if failure is not None:
+        raise failure
+    failed = [r for r, flag in enumerate(column["failed_each"]) if flag]
     if failed:
         raise RanksFailed(f"{what}: failed on rank(s) {failed}, see their error")
     sizes = column["rows_each"]
@@ -681,14 +685,11 @@ class ShardedIndex:
         what = "ShardedIndex.add"
         # Checked before the agreement, whose failures every rank hears of: a rank that raised
         # alone would leave the others waiting in the exchange of the rows.
-        bad_ids = ids is not None and ids.shape != (vectors.shape[0],)
-        try:
-            offset, added, _ = _setup(what, self.group, vectors, self.local.metric, has_ids=int(ids is not None),
-                                      balance=int(balance), failed_each=int(bad_ids))
-        except RanksFailed:
-            if bad_ids:
-                raise ValueError(f"{what}: ids: expected shape [{vectors.shape[0]}], got {tuple(ids.shape)}") from None
-            raise
+        bad_ids = None
+        if ids is not None and ids.shape != (vectors.shape[0],):
+            bad_ids = ValueError(f"{what}: ids: expected shape [{vectors.shape[0]}], got {tuple(ids.shape)}")
+        offset, added, _ = _setup(what, self.group, vectors, self.local.metric, failure=bad_ids,
+                                  has_ids=int(ids is not None), balance=int(balance))
         if balance and self.partition is not None:
             raise ValueError(f"{what}: balance: a partitioned index places each vector in the shard of its cell")
         if (ids is None) != (self.next_id is not None):
@@ -905,14 +906,8 @@ class ReplicatedIndex:
             share = _packed(*self.index.search(queries[bounds[rank]:bounds[rank + 1]], params=p))
         except Exception as error:  # re-raised below, once the other ranks have heard of it
             failure = error
-        try:
-            _setup("ReplicatedIndex.search", self.group, self.index.data, self.index.metric, queries,
-                   on_host=True, k=p.k, list_size=p.list_size, rows=self.index.data.shape[0], batch=batch,
-                   failed_each=int(failure is not None))
-        except RanksFailed:
-            if failure is not None:
-                raise failure from None
-            raise
+        _setup("ReplicatedIndex.search", self.group, self.index.data, self.index.metric, queries, on_host=True,
+               failure=failure, k=p.k, list_size=p.list_size, rows=self.index.data.shape[0], batch=batch)
         return _unpacked(_all_gather_rows(share, sizes, self.group))
 
     def __len__(self) -> int:
