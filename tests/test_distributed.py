@@ -165,7 +165,14 @@ def worker(rank: int, world: int, init: str, out: str, device: str, backend: str
                 lambda: replicated.search(queries.to(device), 10 + rank % 2, list_size=64),
                 lambda: replicated.search(queries.to(device), 10, list_size=64,
                                           filter=torch.ones(N - rank % 2, dtype=torch.bool, device=device)),
-                lambda: replicated.search(queries[:, :DIM - 12 * (rank % 2)].to(device), 10, list_size=64)):
+                lambda: replicated.search(queries[:, :DIM - 12 * (rank % 2)].to(device), 10, list_size=64),
+                # The sharded search with a filter, or a setting it does not know, on one rank.
+                lambda: sharded.search(my_queries, 10, list_size=64,
+                                       filter=torch.ones(len(sharded.local), dtype=torch.bool, device=device)
+                                       if rank == 0 else None),
+                lambda: sharded.search(my_queries, 10, list_size=64, **({"lst_size": 32} if rank == 1 else {})),
+                lambda: replicated.search(queries.to(device), 10, list_size=64,
+                                          **({"lst_size": 32} if rank == 1 else {}))):
         try:
             bad()
             errors.append(None)
@@ -265,6 +272,9 @@ def check(results, world):
         assert "disagree on k" in e[5]
         assert ("filter: expected shape" if rank % 2 else "failed on rank(s) [1]") in e[6]
         assert "disagree on query_dim" in e[7]
+        assert ("a filter is over one shard's rows" if rank == 0 else "failed on rank(s) [0]") in e[8]
+        for j in (9, 10):
+            assert ("unknown setting(s) ['lst_size']" if rank == 1 else "failed on rank(s) [1]") in e[j]
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -116,11 +116,13 @@ def _agree(group: Optional[dist.ProcessGroup], what: str, on_host: bool = False,
     everyone = torch.empty(dist.get_world_size(group) * len(names), dtype=torch.long, device=device)
     _all_gather_single(everyone, mine, group=gather_group)
     table = everyone.view(-1, len(names)).tolist()
+    # A rank that failed before it knew a setting sends -1 for it, which is not compared.
+    failed = [bool(row[names.index("failed_each")]) for row in table] if "failed_each" in fields else None
     for j, name in enumerate(names):
         if name.endswith("_each"):
             continue
         values = [row[j] for row in table]
-        if len(set(values)) > 1:
+        if len({v for r, v in enumerate(values) if not (failed and failed[r] and v == -1)}) > 1:
             raise ValueError(f"{what}: the ranks disagree on {name}: {values} (rank by rank); every rank must "
                              "pass the same")
     return table
@@ -189,7 +191,8 @@ def _setup(what: str, group: Optional[dist.ProcessGroup], data: Tensor, metric: 
     every rank's number of queries, once the ranks agree on everything that must be equal.
     Nothing here raises on one rank alone: what is checked is the same on every rank. A
     ``failure`` (this rank's own work failed, or would) is part of the agreement: after the
-    checks, a rank with one raises it and the others RanksFailed. ``on_host``: as :func:`_agree`."""
+    checks, a rank with one raises it and the others RanksFailed (a setting the failed rank could
+    not know, passed as -1, is not compared). ``on_host``: as :func:`_agree`."""
     fields = dict(rows_each=data.shape[0] if data.dim() == 2 else -1,
                   dim=data.shape[1] if data.dim() == 2 else -1,
                   dtype=_DTYPES.index(data.dtype) if data.dtype in _DTYPES else -1,
@@ -741,13 +744,17 @@ class ShardedIndex:
                **settings: Any) -> Tuple[Tensor, Tensor]:
         """``(dists, ids)`` of this rank's queries over every shard (every rank calls it, with
         its own queries and the same k and settings); see :meth:`Index.search`."""
-        p = SearchParams.merge(params, k=k, **settings)
-        if p.filter is not None:
-            raise ValueError("ShardedIndex.search: a filter is over one shard's rows; remove rows with "
-                             "local.remove instead")
-
-        _, _, sizes = _setup("ShardedIndex.search", self.group, self.local.data, self.local.metric, queries,
-                             k=p.k, list_size=p.list_size)
+        what = "ShardedIndex.search"
+        # Settings a rank cannot use fail on that rank, inside the agreement (which every rank enters).
+        try:
+            p, failure = SearchParams.merge(params, k=k, **settings), None
+            if p.filter is not None:
+                failure = ValueError(f"{what}: a filter is over one shard's rows; remove rows with local.remove "
+                                     "instead")
+        except (TypeError, ValueError) as e:
+            p, failure = None, e
+        _, _, sizes = _setup(what, self.group, self.local.data, self.local.metric, queries, failure=failure,
+                             k=-1 if p is None else p.k, list_size=-1 if p is None else p.list_size)
 
         def local(everyone: Tensor, k: int) -> Tuple[Tensor, Tensor]:
             n = len(self.local)
@@ -890,7 +897,6 @@ class ReplicatedIndex:
                **settings: Any) -> Tuple[Tensor, Tensor]:
         """``(dists, ids)`` of the whole batch, searched a share per rank (every rank passes the
         same ``queries``, ``k`` and settings); the same as ``index.search`` on one rank."""
-        p = SearchParams.merge(params, k=k, **settings)
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         batch = queries.shape[0] if isinstance(queries, Tensor) and queries.dim() == 2 else 0
         bounds = [batch * r // world for r in range(world + 1)]
@@ -901,13 +907,15 @@ class ReplicatedIndex:
         # A search that fails on one rank alone (a filter of the wrong length, say, which the
         # agreement does not see) says so in the agreement, and every rank raises before any
         # enters the gather.
-        failure = None
+        p, failure = None, None
         try:
+            p = SearchParams.merge(params, k=k, **settings)
             share = _packed(*self.index.search(queries[bounds[rank]:bounds[rank + 1]], params=p))
         except Exception as error:  # re-raised below, once the other ranks have heard of it
             failure = error
         _setup("ReplicatedIndex.search", self.group, self.index.data, self.index.metric, queries, on_host=True,
-               failure=failure, k=p.k, list_size=p.list_size, rows=self.index.data.shape[0], batch=batch)
+               failure=failure, k=-1 if p is None else p.k, list_size=-1 if p is None else p.list_size,
+               rows=self.index.data.shape[0], batch=batch)
         return _unpacked(_all_gather_rows(share, sizes, self.group))
 
     def __len__(self) -> int:
