@@ -15,13 +15,14 @@ takes its share as its shard. Rank 0 also runs the one-GPU baselines while the o
              neighbours);
   replicated the index of N / W rows on every rank, the batch split  vs  that index on one GPU;
   exact      distributed.knn of the queries over the shards  vs  grnnd.knn over all N on one GPU.
-Wall-clock seconds from a barrier to the slowest rank's CUDA synchronisation, median of 3
-(builds too). Also: each rank's own build time (the sharded build waits for the slowest), the
-steps of a sharded search one by one (the collectives' share), the replicated search's recall
-beside one GPU's, and the replicated search at --big-batch queries (the batch repeated), where one
-GPU is busier, and its calls back to back (20 without a synchronisation between them, as a server
-makes them). Writes distributed_<name>_w<W>.{json,md} under --out (rank 0); ``--table RUN.json
-...`` merges runs on 2, 4 ... GPUs into one scaling table (distributed_<name>_table.md).
+Wall-clock seconds from a barrier to the slowest rank's CUDA synchronisation, median of 9
+(the sharded build 3, the others 1). Also: each rank's own build time (the sharded build waits
+for the slowest), the steps of a sharded search one by one (the collectives' share), the
+replicated search's recall beside one GPU's, and the replicated search at --big-batch queries
+(the batch repeated), where one GPU is busier, and its calls back to back (20 without a
+synchronisation between them, as a server makes them). Writes distributed_<name>_w<W>.{json,md}
+under --out (rank 0); ``--table RUN.json ...`` merges runs on 2, 4 ... GPUs into one scaling
+table (distributed_<name>_table.md).
 """
 import argparse
 import json
@@ -40,7 +41,7 @@ K, LIST = 10, 64
 BACK_TO_BACK = 20  # replicated searches timed one after another without a synchronisation
 
 
-def seconds(fn, repeat: int = 3, everyone: bool = True):
+def seconds(fn, repeat: int = 9, everyone: bool = True):
     """(result, median seconds) of fn; with `everyone` all ranks start it together (a barrier)
     and a run takes as long as its slowest rank (each rank's own time to its synchronisation, the
     longest of them; a barrier after the work would add its own round trip to every run)."""
@@ -159,7 +160,7 @@ def main():
 
     own_builds = []
     sharded, r["sharded_build_s"] = seconds(
-        timed_locally(lambda: grnnd.distributed.ShardedIndex.build(mine), own_builds))
+        timed_locally(lambda: grnnd.distributed.ShardedIndex.build(mine), own_builds), repeat=3)
     r["rank_build_s"] = gather_floats(statistics.median(own_builds), world)
     (d_sh, i_sh), r["sharded_search_s"] = seconds(lambda: sharded.search(my_queries, K, list_size=LIST))
     steps = [sharded_search_steps(sharded, my_queries) for _ in range(3)]
