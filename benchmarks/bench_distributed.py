@@ -29,6 +29,7 @@ import json
 import os
 import statistics
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -41,21 +42,31 @@ K, LIST = 10, 64
 BACK_TO_BACK = 20  # replicated searches timed one after another without a synchronisation
 
 
-def seconds(fn, repeat: int = 9, everyone: bool = True):
-    """(result, median seconds) of fn; with `everyone` all ranks start it together (a barrier)
-    and a run takes as long as its slowest rank (each rank's own time to its synchronisation, the
-    longest of them; a barrier after the work would add its own round trip to every run)."""
+def synchronise(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a CPU has none)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds(fn, repeat: int = 9, everyone: bool = True, device: Optional[torch.device] = None):
+    """(result, median seconds) of fn, each run synchronised with ``device`` (the current GPU
+    unless given). With `everyone` all ranks start a run together (a barrier) and it takes as long
+    as its slowest rank: each rank's own time to its synchronisation, the longest of them (a
+    barrier after the work would add its own round trip to every run)."""
+    device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
     times, out = [], None
     for _ in range(repeat):
         if everyone:
             dist.barrier()
-        torch.cuda.synchronize()
+        synchronise(device)
         start = time.perf_counter()
         out = fn()
-        torch.cuda.synchronize()
+        synchronise(device)
         times.append(time.perf_counter() - start)
     if everyone:
-        times = [max(gather_floats(t, dist.get_world_size())) for t in times]
+        slowest = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times = slowest.tolist()
     return out, statistics.median(times)
 
 

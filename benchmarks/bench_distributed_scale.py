@@ -7,7 +7,7 @@
 The data: clustered blobs (centres spread by 3, unit noise, float16). The centres and the
 queries come from one seed on every rank; each rank draws its own share of the rows from a seed
 of its own, a chunk at a time, so 100M x 1024 (205 GB) never exists in one place. Measured, all
-ranks together (wall clock after a synchronisation and a barrier):
+ranks together (wall clock from a barrier to the slowest rank's synchronisation):
   build         ShardedIndex.build of the shards, and with partition=True (rows moved to the
                 rank of their nearest balanced k-means centre);
   search        each rank's share of the queries over every shard, and over the nearest shards
@@ -22,13 +22,12 @@ ranks...) into one scaling table. --device cpu runs the same on CPU processes (g
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 import torch_grnnd as grnnd
+from benchmarks.bench_distributed import seconds
 from benchmarks.report import machine, machine_line, scaling_runs, write_lines
 
 K = 10
@@ -62,32 +61,11 @@ def own_rows(spec: dict, rank: int, world: int, device: torch.device):
     return rows, queries[share[rank]:share[rank + 1]].contiguous(), queries, counts
 
 
-def synchronise(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def say(r: dict, step: str) -> None:
     """Rank 0 prints a finished step's time as it goes, so that a long run shows where it is."""
     if dist.get_rank() == 0:
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
         print(f"{step} {r[step + '_s']:.2f} s (peak GPU memory {peak:.1f} GiB)", flush=True)
-
-
-def seconds(fn, device: torch.device, repeat: int = 1, everyone: bool = True):
-    """(result, median wall seconds) of fn, synchronised; with `everyone` between barriers."""
-    times, out = [], None
-    for _ in range(repeat):
-        if everyone:
-            dist.barrier()
-        synchronise(device)
-        start = time.perf_counter()
-        out = fn()
-        synchronise(device)
-        if everyone:
-            dist.barrier()
-        times.append(time.perf_counter() - start)
-    return out, statistics.median(times)
 
 
 def gathered(t: torch.Tensor) -> torch.Tensor:
@@ -116,20 +94,23 @@ def measure(args) -> None:
     points = []
 
     def searched(mode, index, qs, lst, probe=None, everyone=True):
-        (_, ids), t = seconds(lambda: index.search(qs, k=K, list_size=lst), device, repeat=3, everyone=everyone)
+        (_, ids), t = seconds(lambda: index.search(qs, k=K, list_size=lst), repeat=3, everyone=everyone,
+                              device=device)
         found[mode, lst, probe] = ids
         # Shards a query visited, over all ranks' queries (a collective: not for rank 0 alone).
         visits = gathered(torch.tensor([index.shards_per_query], device=device)).mean().item() if everyone else 1.0
         points.append({"mode": mode, "list": lst, "probes": probe, "s": t, "qps": spec["queries"] / t,
                        "shards_per_query": visits})
 
-    sharded, r["sharded_build_s"] = seconds(lambda: grnnd.distributed.ShardedIndex.build(mine, **settings), device)
+    sharded, r["sharded_build_s"] = seconds(lambda: grnnd.distributed.ShardedIndex.build(mine, **settings), 1,
+                                            device=device)
     for lst in lists:
         searched("all shards", sharded, my_queries, lst)
     say(r, "sharded_build")
     del sharded
     parted, r["partitioned_build_s"] = seconds(
-        lambda: grnnd.distributed.ShardedIndex.build(mine, partition=True, cells=args.cells, **settings), device)
+        lambda: grnnd.distributed.ShardedIndex.build(mine, partition=True, cells=args.cells, **settings), 1,
+        device=device)
     r["partition_rows"] = gathered(torch.tensor([len(parted.local)], device=device)).tolist()
     for probe in probes:
         parted.probes = None if probe == "auto" else probe
@@ -137,14 +118,15 @@ def measure(args) -> None:
             searched("partitioned", parted, my_queries, lst, probe)
     say(r, "partitioned_build")
     del parted
-    (_, truth), r["exact_knn_s"] = seconds(lambda: grnnd.distributed.knn(mine, my_queries, K), device)
+    (_, truth), r["exact_knn_s"] = seconds(lambda: grnnd.distributed.knn(mine, my_queries, K), 1, device=device)
     say(r, "exact_knn")
     equal_shares = spec["queries"] % world == 0  # all_gather needs equal shapes
     if equal_shares:
         truth_all = gathered(truth)
         everyone_found = {key: gathered(ids) for key, ids in found.items()}
     if rank == 0:  # one GPU holding a share: this rank's rows alone, all the queries (the others wait)
-        one, r["one_rank_build_s"] = seconds(lambda: grnnd.Index.build(mine, **settings), device, everyone=False)
+        one, r["one_rank_build_s"] = seconds(lambda: grnnd.Index.build(mine, **settings), 1, everyone=False,
+                                             device=device)
         for lst in lists:
             searched("rank 0 alone", one, queries, lst, everyone=False)
         say(r, "one_rank_build")
