@@ -29,45 +29,17 @@ import json
 import os
 import statistics
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 import torch_grnnd as grnnd
+from benchmarks.common import seconds_on_ranks
 from benchmarks.datasets import load_data
 from benchmarks.report import machine, machine_line, scaling_runs, write_lines
 
 K, LIST = 10, 64
 BACK_TO_BACK = 20  # replicated searches timed one after another without a synchronisation
-
-
-def synchronise(device: torch.device) -> None:
-    """Wait for ``device``'s queued work (a CPU has none)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def seconds(fn, repeat: int = 9, everyone: bool = True, device: Optional[torch.device] = None):
-    """(result, median seconds) of fn, each run synchronised with ``device`` (the current GPU
-    unless given). With `everyone` all ranks start a run together (a barrier) and it takes as long
-    as its slowest rank: each rank's own time to its synchronisation, the longest of them (a
-    barrier after the work would add its own round trip to every run)."""
-    device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
-    times, out = [], None
-    for _ in range(repeat):
-        if everyone:
-            dist.barrier()
-        synchronise(device)
-        start = time.perf_counter()
-        out = fn()
-        synchronise(device)
-        times.append(time.perf_counter() - start)
-    if everyone:
-        slowest = torch.tensor(times, dtype=torch.float64, device=device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times = slowest.tolist()
-    return out, statistics.median(times)
 
 
 def timed_locally(fn, into: list):
@@ -170,28 +142,29 @@ def main():
          "machine": machine(threads=torch.get_num_threads(), cuda=True)}
 
     own_builds = []
-    sharded, r["sharded_build_s"] = seconds(
+    sharded, r["sharded_build_s"] = seconds_on_ranks(
         timed_locally(lambda: grnnd.distributed.ShardedIndex.build(mine), own_builds), repeat=3)
     r["rank_build_s"] = gather_floats(statistics.median(own_builds), world)
-    (d_sh, i_sh), r["sharded_search_s"] = seconds(lambda: sharded.search(my_queries, K, list_size=LIST))
+    (d_sh, i_sh), r["sharded_search_s"] = seconds_on_ranks(lambda: sharded.search(my_queries, K, list_size=LIST))
     steps = [sharded_search_steps(sharded, my_queries) for _ in range(3)]
     r["sharded_steps_s"] = {name: gather_floats(statistics.median(s[name] for s in steps), world)
                             for name in steps[0]}
-    parted, r["partitioned_build_s"] = seconds(
+    parted, r["partitioned_build_s"] = seconds_on_ranks(
         lambda: grnnd.distributed.ShardedIndex.build(
             mine, partition=True, probes=None if args.probes == "auto" else int(args.probes), cells=args.cells),
         repeat=1)
     r["probes"] = args.probes
     r["partition_rows"] = gather_floats(float(len(parted.local)), world)
-    (_, i_part), r["partitioned_search_s"] = seconds(lambda: parted.search(my_queries, K, list_size=LIST))
+    (_, i_part), r["partitioned_search_s"] = seconds_on_ranks(lambda: parted.search(my_queries, K, list_size=LIST))
     r["partitioned_shards_per_query"] = statistics.mean(gather_floats(parted.shards_per_query, world))
-    (_, i_ex), r["exact_knn_s"] = seconds(lambda: grnnd.distributed.knn(mine, my_queries, K))
+    (_, i_ex), r["exact_knn_s"] = seconds_on_ranks(lambda: grnnd.distributed.knn(mine, my_queries, K))
     replicated = grnnd.distributed.ReplicatedIndex(grnnd.Index.build(base[:bounds[1]].contiguous()))
-    (_, i_rep), r["replicated_search_s"] = seconds(lambda: replicated.search(queries, K, list_size=LIST))
+    (_, i_rep), r["replicated_search_s"] = seconds_on_ranks(lambda: replicated.search(queries, K, list_size=LIST))
     big = queries.repeat((args.big_batch + queries.shape[0] - 1) // queries.shape[0], 1)[:args.big_batch]
-    _, r["replicated_big_search_s"] = seconds(lambda: replicated.search(big, K, list_size=LIST))
+    _, r["replicated_big_search_s"] = seconds_on_ranks(lambda: replicated.search(big, K, list_size=LIST))
     # Calls one after another with no synchronisation between them, as a server's loop makes them.
-    _, back_to_back = seconds(lambda: [replicated.search(queries, K, list_size=LIST) for _ in range(BACK_TO_BACK)])
+    _, back_to_back = seconds_on_ranks(
+        lambda: [replicated.search(queries, K, list_size=LIST) for _ in range(BACK_TO_BACK)])
     r["replicated_back_to_back_s"] = back_to_back / BACK_TO_BACK
     # Everyone's answers on rank 0 for the recall (equal shares: all_gather fits).
     gathered = [torch.empty((q_bounds[1] - q_bounds[0], K), dtype=torch.long, device="cuda") for _ in range(world)]
@@ -206,18 +179,18 @@ def main():
     if rank == 0:
         # One GPU alone (the other ranks wait at the barrier below).
         half = base[:bounds[1]].contiguous()
-        one_half, r["one_gpu_build_s"] = seconds(lambda: grnnd.Index.build(half), repeat=1, everyone=False)
-        _, r["one_gpu_search_s"] = seconds(lambda: one_half.search(queries, K, list_size=LIST), everyone=False)
-        (_, i_one), r["one_gpu_replica_search_s"] = seconds(
+        one_half, r["one_gpu_build_s"] = seconds_on_ranks(lambda: grnnd.Index.build(half), repeat=1, everyone=False)
+        _, r["one_gpu_search_s"] = seconds_on_ranks(lambda: one_half.search(queries, K, list_size=LIST), everyone=False)
+        (_, i_one), r["one_gpu_replica_search_s"] = seconds_on_ranks(
             lambda: replicated.index.search(queries, K, list_size=LIST), everyone=False)
-        _, r["one_gpu_replica_big_search_s"] = seconds(lambda: replicated.index.search(big, K, list_size=LIST),
+        _, r["one_gpu_replica_big_search_s"] = seconds_on_ranks(lambda: replicated.index.search(big, K, list_size=LIST),
                                                        everyone=False)
-        _, back_to_back = seconds(
+        _, back_to_back = seconds_on_ranks(
             lambda: [replicated.index.search(queries, K, list_size=LIST) for _ in range(BACK_TO_BACK)], everyone=False)
         r["one_gpu_replica_back_to_back_s"] = back_to_back / BACK_TO_BACK
-        _, r["one_gpu_share_search_s"] = seconds(
+        _, r["one_gpu_share_search_s"] = seconds_on_ranks(
             lambda: replicated.index.search(queries[:q_bounds[1]], K, list_size=LIST), everyone=False)
-        (_, truth), r["one_gpu_exact_knn_s"] = seconds(lambda: grnnd.knn(base, queries, K), everyone=False)
+        (_, truth), r["one_gpu_exact_knn_s"] = seconds_on_ranks(lambda: grnnd.knn(base, queries, K), everyone=False)
         whole = grnnd.Index.build(base)
         r["one_gpu_whole_recall"] = recall(whole.search(queries, K, list_size=LIST)[1], truth)
         # Recall of the replicated index (N / W rows) against those rows' own exact neighbours.

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import torch_grnnd as grnnd
-from benchmarks.bench_distributed import seconds
+from benchmarks.common import seconds_on_ranks
 from benchmarks.report import machine, machine_line, scaling_runs, write_lines
 
 K = 10
@@ -94,7 +94,7 @@ def measure(args) -> None:
     points = []
 
     def searched(mode, index, qs, lst, probe=None, everyone=True):
-        (_, ids), t = seconds(lambda: index.search(qs, k=K, list_size=lst), repeat=3, everyone=everyone,
+        (_, ids), t = seconds_on_ranks(lambda: index.search(qs, k=K, list_size=lst), repeat=3, everyone=everyone,
                               device=device)
         found[mode, lst, probe] = ids
         # Shards a query visited, over all ranks' queries (a collective: not for rank 0 alone).
@@ -102,13 +102,13 @@ def measure(args) -> None:
         points.append({"mode": mode, "list": lst, "probes": probe, "s": t, "qps": spec["queries"] / t,
                        "shards_per_query": visits})
 
-    sharded, r["sharded_build_s"] = seconds(lambda: grnnd.distributed.ShardedIndex.build(mine, **settings), 1,
+    sharded, r["sharded_build_s"] = seconds_on_ranks(lambda: grnnd.distributed.ShardedIndex.build(mine, **settings), 1,
                                             device=device)
     for lst in lists:
         searched("all shards", sharded, my_queries, lst)
     say(r, "sharded_build")
     del sharded
-    parted, r["partitioned_build_s"] = seconds(
+    parted, r["partitioned_build_s"] = seconds_on_ranks(
         lambda: grnnd.distributed.ShardedIndex.build(mine, partition=True, cells=args.cells, **settings), 1,
         device=device)
     r["partition_rows"] = gathered(torch.tensor([len(parted.local)], device=device)).tolist()
@@ -118,14 +118,15 @@ def measure(args) -> None:
             searched("partitioned", parted, my_queries, lst, probe)
     say(r, "partitioned_build")
     del parted
-    (_, truth), r["exact_knn_s"] = seconds(lambda: grnnd.distributed.knn(mine, my_queries, K), 1, device=device)
+    (_, truth), r["exact_knn_s"] = seconds_on_ranks(lambda: grnnd.distributed.knn(mine, my_queries, K), 1,
+                                                    device=device)
     say(r, "exact_knn")
     equal_shares = spec["queries"] % world == 0  # all_gather needs equal shapes
     if equal_shares:
         truth_all = gathered(truth)
         everyone_found = {key: gathered(ids) for key, ids in found.items()}
     if rank == 0:  # one GPU holding a share: this rank's rows alone, all the queries (the others wait)
-        one, r["one_rank_build_s"] = seconds(lambda: grnnd.Index.build(mine, **settings), 1, everyone=False,
+        one, r["one_rank_build_s"] = seconds_on_ranks(lambda: grnnd.Index.build(mine, **settings), 1, everyone=False,
                                              device=device)
         for lst in lists:
             searched("rank 0 alone", one, queries, lst, everyone=False)

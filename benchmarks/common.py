@@ -3,10 +3,13 @@ build settings from the command line, plain-PyTorch exact search, and the update
 command line and recall."""
 import argparse
 import os
+import statistics
 import sys
 import time
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 import torch_grnnd as grnnd
 from benchmarks.datasets import load_data
@@ -35,6 +38,34 @@ def timed(fn, device: torch.device):
     start = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - start
+
+
+def synchronise(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a CPU has none)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds_on_ranks(fn, repeat: int = 9, everyone: bool = True, device: Optional[torch.device] = None):
+    """(result, median seconds) of fn, each run synchronised with ``device`` (the current GPU
+    unless given). With `everyone` all ranks start a run together (a barrier) and it takes as long
+    as its slowest rank: each rank's own time to its synchronisation, the longest of them (a
+    barrier after the work would add its own round trip to every run)."""
+    device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    times, out = [], None
+    for _ in range(repeat):
+        if everyone:
+            dist.barrier()
+        synchronise(device)
+        start = time.perf_counter()
+        out = fn()
+        synchronise(device)
+        times.append(time.perf_counter() - start)
+    if everyone:
+        slowest = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times = slowest.tolist()
+    return out, statistics.median(times)
 
 
 def median_ms(fn, repeat: int = 10, device: str = "cuda") -> float:
