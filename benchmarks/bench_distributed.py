@@ -183,8 +183,8 @@ def main():
         _, r["one_gpu_search_s"] = seconds_on_ranks(lambda: one_half.search(queries, K, list_size=LIST), everyone=False)
         (_, i_one), r["one_gpu_replica_search_s"] = seconds_on_ranks(
             lambda: replicated.index.search(queries, K, list_size=LIST), everyone=False)
-        _, r["one_gpu_replica_big_search_s"] = seconds_on_ranks(lambda: replicated.index.search(big, K, list_size=LIST),
-                                                       everyone=False)
+        _, r["one_gpu_replica_big_search_s"] = seconds_on_ranks(
+            lambda: replicated.index.search(big, K, list_size=LIST), everyone=False)
         _, back_to_back = seconds_on_ranks(
             lambda: [replicated.index.search(queries, K, list_size=LIST) for _ in range(BACK_TO_BACK)], everyone=False)
         r["one_gpu_replica_back_to_back_s"] = back_to_back / BACK_TO_BACK

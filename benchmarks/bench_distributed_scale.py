@@ -95,15 +95,15 @@ def measure(args) -> None:
 
     def searched(mode, index, qs, lst, probe=None, everyone=True):
         (_, ids), t = seconds_on_ranks(lambda: index.search(qs, k=K, list_size=lst), repeat=3, everyone=everyone,
-                              device=device)
+                                       device=device)
         found[mode, lst, probe] = ids
         # Shards a query visited, over all ranks' queries (a collective: not for rank 0 alone).
         visits = gathered(torch.tensor([index.shards_per_query], device=device)).mean().item() if everyone else 1.0
         points.append({"mode": mode, "list": lst, "probes": probe, "s": t, "qps": spec["queries"] / t,
                        "shards_per_query": visits})
 
-    sharded, r["sharded_build_s"] = seconds_on_ranks(lambda: grnnd.distributed.ShardedIndex.build(mine, **settings), 1,
-                                            device=device)
+    sharded, r["sharded_build_s"] = seconds_on_ranks(lambda: grnnd.distributed.ShardedIndex.build(mine, **settings),
+                                                     1, device=device)
     for lst in lists:
         searched("all shards", sharded, my_queries, lst)
     say(r, "sharded_build")
@@ -126,8 +126,8 @@ def measure(args) -> None:
         truth_all = gathered(truth)
         everyone_found = {key: gathered(ids) for key, ids in found.items()}
     if rank == 0:  # one GPU holding a share: this rank's rows alone, all the queries (the others wait)
-        one, r["one_rank_build_s"] = seconds_on_ranks(lambda: grnnd.Index.build(mine, **settings), 1, everyone=False,
-                                             device=device)
+        one, r["one_rank_build_s"] = seconds_on_ranks(lambda: grnnd.Index.build(mine, **settings), 1,
+                                                      everyone=False, device=device)
         for lst in lists:
             searched("rank 0 alone", one, queries, lst, everyone=False)
         say(r, "one_rank_build")
