@@ -135,7 +135,7 @@ def test_settings_defaults_equal_schema_defaults(settings, op):
     schema.pop("metric")
     for start in ("init", "init_split", "init_mode"):  # what the call starts from (ops.build's init), not settings
         schema.pop(start, None)
-    for state in ("codes", "code_grid"):  # the index's codes (ops.search's codes), not settings
+    for state in ("codes", "code_grid", "pair_code_rows", "pair_code_scale"):  # codes of the rows, not settings
         schema.pop(state, None)
     defaults = {f.name: f.default for f in dataclasses.fields(settings) if f.name in schema}
     assert defaults == schema and set(schema) <= {f.name for f in dataclasses.fields(settings)}

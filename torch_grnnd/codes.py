@@ -74,6 +74,30 @@ def code_dims(dim: int, kind: str = "int8") -> int:
     return (dim + 15) // 16 * 16 if kind == "int8" else (dim + 31) // 32 * 32
 
 
+def pair_codes(rows: Tensor) -> Tuple[Tensor, float]:
+    """One-byte codes of ``rows`` [N, D] for a build's pair distances (``BuildParams.pair_codes``):
+    uint8 [N, stride] on the rows' device, stride D rounded up to a multiple of 16 (zeros past
+    D), each code round((x - o) / s) with o the dimension's minimum over the rows and one step s
+    for every dimension (the widest range / 255); and s^2, the scale that turns a sum of squared
+    code differences into a squared distance (csrc/core/checks.h, check_pair_codes). One step
+    keeps that sum four dimensions an instruction pair on the GPU; a dimension of a small range
+    then gets few levels, which costs little where the dimensions' spreads are alike."""
+    n, dim = rows.shape
+    lo = torch.full((dim,), math.inf, device=rows.device)
+    hi = torch.full((dim,), -math.inf, device=rows.device)
+    for start in range(0, n, _CHUNK_ROWS):
+        part = rows[start:start + _CHUNK_ROWS].float()
+        lo = torch.minimum(lo, part.amin(0))
+        hi = torch.maximum(hi, part.amax(0))
+    widest = float((hi - lo).max()) if n > 0 else 0.0
+    step = widest / 255 if widest > 0 else 1.0  # all rows alike: every code 0
+    out = torch.zeros(n, -(-dim // 16) * 16, dtype=torch.uint8, device=rows.device)
+    for start in range(0, n, _CHUNK_ROWS):
+        part = rows[start:start + _CHUNK_ROWS].float()
+        out[start:start + part.shape[0], :dim] = ((part - lo) / step).round_().clamp_(0, 255).to(torch.uint8)
+    return out, step * step
+
+
 def code_row_bytes(dim: int, metric: str, kind: str = "int8") -> int:
     """Bytes of one code row: the codes, then a 16-byte tail: under l2 the row's norm term for
     int8, the row's scale and norm term for int4 (csrc/core/codes.h)."""

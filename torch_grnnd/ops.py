@@ -11,7 +11,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .codes import Codes
+from .codes import Codes, pair_codes
 from .params import BuildParams, SearchParams
 from .progress import Progress, run_reporting
 
@@ -25,13 +25,19 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
     """The build op on ``data``'s device: :func:`torch_grnnd.build` without its ``device`` and
     ``max_gpu_memory`` (the builds in shards of :mod:`torch_grnnd.out_of_core` call this)."""
     p = BuildParams.merge(params, **settings)
+    code_rows, code_scale = None, 0.0
+    if p.pair_codes:
+        if metric != "l2":
+            raise ValueError(f"pair_codes: the build takes pair distances from codes under l2 only, got {metric!r}")
+        if isinstance(data, Tensor) and data.dim() == 2 and data.is_floating_point():  # else the op says what is wrong
+            code_rows, code_scale = pair_codes(data)
 
     def run() -> Tensor:
         return torch.ops.grnnd.build.default(
             data, degree=p.degree, initial_degree=p.initial_degree, pool_size=p.pool_size,
             outer_iters=p.outer_iters, inner_iters=p.inner_iters, reverse_ratio=p.reverse_ratio,
             update_order=p.update_order, metric=metric, seed=p.seed, delta=p.delta, start=p.start, init=init,
-            init_split=init_split, init_mode=init_mode)
+            init_split=init_split, init_mode=init_mode, pair_code_rows=code_rows, pair_code_scale=code_scale)
 
     if not torch.compiler.is_compiling():  # a compiled graph cannot hold a host-side log call
         logger.debug("build: %s %s on %s, metric=%s, %s", tuple(data.shape), data.dtype, data.device, metric, p)

@@ -109,6 +109,16 @@ class BuildParams(_Settings):
         start: ``"hubs"``: most initial neighbours come from the cells of each row's two nearest
             hubs (a sample of one row in 1000, found by matrix products), a start that is already
             local; ``"random"``: all uniform (seed 000). Below 16 000 rows both are uniform.
+        pair_codes: l2 only. The update rounds take the distance of each pair they compare from
+            one-byte codes of the rows (one step for every dimension, :func:`torch_grnnd.codes.pair_codes`)
+            instead of the rows: half the bytes of float16 rows, read four dimensions an
+            instruction pair on the GPU. The start, the fill, the repair and the search read the
+            rows as before. On an H200 builds of 1 024-d float16 clustered rows ran 1.6-1.9x
+            faster (10M x 1024 Zipf/anisotropic clusters: 8.4 s against 12.5-13.6 s) with recall
+            within the builds' spread or above; in an emulation a single anisotropic Gaussian
+            whose dimensions spread over 1.5 decades lost about 0.01 at list 64
+            (benchmarks/README.md, "Building on one-byte codes"). Off by default until measured on
+            real embeddings of that width.
     """
 
     degree: int = _default(_build, "degree")
@@ -121,6 +131,7 @@ class BuildParams(_Settings):
     seed: int = _default(_build, "seed")
     delta: float = _default(_build, "delta")
     start: str = _default(_build, "start")
+    pair_codes: bool = False
 
 
 # The longest candidate list a search keeps, and so the most neighbours it returns (kMaxListSize

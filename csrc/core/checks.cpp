@@ -173,6 +173,24 @@ void check_build_inputs(const at::Tensor& data) {
   check_finite(data, "data");
 }
 
+at::Tensor check_pair_codes(const c10::optional<at::Tensor>& codes, double scale, const at::Tensor& data,
+                            Metric metric) {
+  if (!codes.has_value() || !codes->defined()) return at::Tensor();
+  const at::Tensor& t = *codes;
+  TORCH_CHECK_VALUE(metric == Metric::kL2, "pair_code_rows: the build takes pair distances from codes under l2 only");
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kByte, "pair_code_rows: expected uint8, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == data.size(0) && t.size(1) % 16 == 0 && t.size(1) >= data.size(1) &&
+                        t.size(1) <= kMaxPairCodeStride,
+                    "pair_code_rows: expected shape [", data.size(0), ", stride] with stride a multiple of 16 from ",
+                    data.size(1), " to ", kMaxPairCodeStride, ", got ", t.sizes());
+  check_same_device(data, "data", t, "pair_code_rows");
+  TORCH_CHECK_VALUE(std::isfinite(scale) && scale > 0, "pair_code_scale: expected a positive finite step squared, got ",
+                    scale);
+  // Rows are read 16 bytes at a time: a view that starts off that boundary is copied.
+  const at::Tensor rows = t.contiguous();
+  return reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0 ? rows : rows.clone();
+}
+
 void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries, int64_t k,
                          const c10::optional<at::Tensor>& filter) {
   check_points(data, "data");

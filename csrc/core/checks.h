@@ -49,6 +49,15 @@ void check_search_data_device(const at::Tensor& data, const at::Tensor& queries)
 
 // What each op accepts, in one place for all its kernels and devices.
 void check_build_inputs(const at::Tensor& data);
+// The one-byte codes a build's update rounds take their pair distances from, or none: uint8
+// [n, stride] on data's device, stride a multiple of 16 of at least dim (zeros past dim), code
+// = round((x - offset) / step) with one step for every dimension, and `scale` that step squared,
+// so that d(a, b) = scale * sum over dimensions of (code_a - code_b)^2 (pair_code_distance). l2
+// only, and at most kMaxPairCodeStride bytes a row (the sum stays in 32 bits). Returned
+// contiguous, or undefined when none are given.
+constexpr int64_t kMaxPairCodeStride = 65536;
+at::Tensor check_pair_codes(const c10::optional<at::Tensor>& codes, double scale, const at::Tensor& data,
+                            Metric metric);
 void check_search_inputs(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries, int64_t k,
                          const c10::optional<at::Tensor>& filter);
 // The codes a search traverses by (csrc/core/codes.h), or neither tensor: codes uint8

@@ -230,7 +230,7 @@ int update_vertex(const VectorSet& vectors, Pools& pools, int read, int64_t v, u
   const uint32_t* slot = pools.slots(read, v);
   const float* dist = pools.dists(read, v);
   visit_order(pools, read, v, round, p, order, keys);
-  for (int i = 0; i < pools.count(read, v); ++i) vectors.prefetch(slot_id(slot[i]));
+  for (int i = 0; i < pools.count(read, v); ++i) vectors.prefetch_pair(slot_id(slot[i]));
   kept.clear();
   moves.clear();
   for (const int i : order) {
@@ -243,7 +243,7 @@ int update_vertex(const VectorSet& vectors, Pools& pools, int read, int64_t v, u
         ++j;
         continue;
       }
-      const float d_ab = vectors(a, b);
+      const float d_ab = vectors.pair(a, b);
       if (d_ab < std::max(dist[i], dist[b_index])) {
         if (dist[i] >= dist[b_index]) {  // a is the farther one: it moves to b
           moves.push_back({b, a, d_ab});
@@ -290,16 +290,23 @@ void sample_reverse_edges(int64_t n, Pools& pools, int read, const BuildParams& 
 at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_degree, int64_t pool_size,
                      int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
                      c10::string_view metric, int64_t seed, double delta, c10::string_view start,
-                     const c10::optional<at::Tensor>& init, int64_t init_split, c10::string_view init_mode) {
+                     const c10::optional<at::Tensor>& init, int64_t init_split, c10::string_view init_mode,
+                     const c10::optional<at::Tensor>& pair_code_rows, double pair_code_scale) {
   check_build_inputs(data);
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
                                           std::string(update_order), std::string(metric), seed, delta,
                                           std::string(start));
+  const at::Tensor codes = check_pair_codes(pair_code_rows, pair_code_scale, data, p.metric);
   const int64_t n = data.size(0);
   const at::Tensor x = prepare_build_vectors(data, p.metric);
   VectorSet vectors{x.data_ptr<float>(), x.size(1), p.metric};
   const at::Tensor lift = inner_product_lift(x, p.metric);
   if (lift.defined()) vectors.lift = lift.data_ptr<float>();
+  if (codes.defined()) {
+    vectors.codes = codes.data_ptr<uint8_t>();
+    vectors.code_stride = codes.size(1);
+    vectors.code_scale = static_cast<float>(pair_code_scale);
+  }
 
   Pools pools(n, p.pool_size);
   const Split split = start_split(init_split, init_mode, n, p);

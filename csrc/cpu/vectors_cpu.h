@@ -60,6 +60,19 @@ inline float distance(const float* a, const float* b, int dim, Metric metric) {
   return 0.0f;
 }
 
+// d(a, b) of two rows' one-byte codes of `stride` bytes (csrc/core/checks.h, check_pair_codes):
+// scale times the sum of squared code differences, summed exactly in 32 bits and then rounded
+// to float32 once, as the CUDA build's teams sum them (pair_code_distance in
+// csrc/cuda/build_cuda.cu), so the two devices take the same distance for every pair.
+inline float pair_code_distance(const uint8_t* a, const uint8_t* b, int64_t stride, float scale) {
+  uint32_t sum = 0;
+  for (int64_t i = 0; i < stride; ++i) {
+    const int difference = static_cast<int>(a[i]) - static_cast<int>(b[i]);
+    sum += static_cast<uint32_t>(difference * difference);
+  }
+  return static_cast<float>(sum) * scale;
+}
+
 // Rows of a prepared [n, dim] float32 matrix, with the metric bound in.
 struct VectorSet {
   const float* base;
@@ -68,6 +81,11 @@ struct VectorSet {
   // Optional extra coordinate per row (see inner_product_lift); when set, distances between
   // rows are squared Euclidean in the lifted space.
   const float* lift = nullptr;
+  // Optional one-byte codes of the rows (check_pair_codes): when set, a build's update rounds
+  // take their pair distances from them (pair).
+  const uint8_t* codes = nullptr;
+  int64_t code_stride = 0;
+  float code_scale = 0.0f;
 
   const float* row(int64_t i) const { return base + i * dim; }
   float operator()(int64_t i, int64_t j) const {
@@ -78,6 +96,11 @@ struct VectorSet {
     return distance(row(i), row(j), static_cast<int>(dim), metric);
   }
   float to(const float* q, int64_t j) const { return distance(q, row(j), static_cast<int>(dim), metric); }
+  // The distance of a pair the update rounds compare: from the codes where there are some.
+  float pair(int64_t i, int64_t j) const {
+    if (codes == nullptr) return (*this)(i, j);
+    return pair_code_distance(codes + i * code_stride, codes + j * code_stride, code_stride, code_scale);
+  }
 
   // Graph walks read rows in random order, so the loops are bound by memory latency, not
   // arithmetic: announcing the rows about to be read lets their loads overlap.
@@ -85,6 +108,12 @@ struct VectorSet {
     const char* p = reinterpret_cast<const char*>(row(i));
     const int64_t bytes = dim * static_cast<int64_t>(sizeof(float));
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+  }
+  // The bytes pair(i, j) reads of row i.
+  void prefetch_pair(int64_t i) const {
+    if (codes == nullptr) return prefetch(i);
+    const char* p = reinterpret_cast<const char*>(codes + i * code_stride);
+    for (int64_t off = 0; off < code_stride; off += 64) __builtin_prefetch(p + off);
   }
 };
 

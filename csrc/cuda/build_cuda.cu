@@ -196,6 +196,11 @@ struct BuildArgs {
   CellView cells;  // where initial neighbours are drawn (hubs.h); empty: uniformly
   Split split;     // where a merge's second graph or a growing graph's new rows start (build_schedule.h)
   int* changes;    // [n]: the pool entries each vertex's redirects changed in the last round
+  // One-byte codes of the rows (check_pair_codes) the update rounds take their pair distances
+  // from, or null: rows of code_stride bytes, d = code_scale * the sum of squared differences.
+  const uint8_t* codes;
+  int64_t code_stride;
+  float code_scale;
 };
 
 // d(a, b) between two rows as the CPU's VectorSet computes it (up to the rounding of
@@ -208,6 +213,34 @@ __device__ __forceinline__ float row_distance(const T* __restrict__ x, const Bui
                                               bool valid, int rank) {
   return rows_distance<TEAM, kBuildChunksInFlight, /*HALF_DIFFERENCE=*/true>(x, args.dim, args.metric, args.lift, a,
                                                                             b, valid, rank);
+}
+
+// d(a, b) from the rows' one-byte codes, by the TEAM lanes of the calling team, and the same
+// float as the CPU's pair_code_distance (csrc/cpu/vectors_cpu.h): each lane sums its 16-byte
+// chunks' squared byte differences exactly, four bytes an instruction pair (__vabsdiffu4, then
+// __dp4a of the differences with themselves), the team adds the lanes' sums, and the total is
+// rounded to float32 once and scaled. Half the bytes of float16 rows and about a fifth of their
+// instructions a dimension. valid = false as in row_distance.
+template <int TEAM>
+__device__ __forceinline__ float pair_code_distance(const BuildArgs& args, int64_t a, int64_t b, bool valid,
+                                                    int rank) {
+  uint32_t sum = 0;
+  if (valid) {
+    const uint4* row_a = reinterpret_cast<const uint4*>(args.codes + a * args.code_stride);
+    const uint4* row_b = reinterpret_cast<const uint4*>(args.codes + b * args.code_stride);
+    const int chunks = static_cast<int>(args.code_stride / 16);
+    for (int c = rank; c < chunks; c += TEAM) {
+      const uint4 u = __ldg(row_a + c), w = __ldg(row_b + c);
+      const uint32_t d0 = __vabsdiffu4(u.x, w.x), d1 = __vabsdiffu4(u.y, w.y);
+      const uint32_t d2 = __vabsdiffu4(u.z, w.z), d3 = __vabsdiffu4(u.w, w.w);
+      sum = __dp4a(d0, d0, sum);
+      sum = __dp4a(d1, d1, sum);
+      sum = __dp4a(d2, d2, sum);
+      sum = __dp4a(d3, d3, sum);
+    }
+  }
+  for (int offset = TEAM / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFullMask, sum, offset);
+  return static_cast<float>(sum) * args.code_scale;
 }
 
 // A warp's share of the block's dynamic shared memory: its copy of the read pool and the
@@ -588,7 +621,10 @@ __device__ __forceinline__ void visit_order(const WarpScratch& s, int count, int
 // a. Here the warp's teams compute kTeams of those distances at once and each team applies the
 // rule to its own, the batch resolved in kept order by two ballots; the next batch is only
 // computed if a is still kept, so at most kTeams - 1 distances are spent past the CPU's stop.
-template <typename T, int TEAM>
+// CODES: the pairs' distances come from args.codes (pair_code_distance), a kernel of its own so
+// that the rows' kernel stays as it was: with a run-time choice between the two in the pair loop
+// the default builds of 1 024-d float16 rows ran 5-21% slower (H200).
+template <typename T, int TEAM, bool CODES>
 __global__ void __launch_bounds__(kBlockThreads, kUpdateWarpsPerSm / kWarpsPerBlock)
     update_kernel(const T* __restrict__ x, DevicePools pools, BuildArgs args, int read, uint32_t round) {
   constexpr int kTeams = kWarpSize / TEAM;
@@ -644,7 +680,12 @@ __global__ void __launch_bounds__(kBlockThreads, kUpdateWarpsPerSm / kWarpsPerBl
       const int j = valid ? s.cmp[g] : 0;
       const int b_index = valid ? s.kept[j] : 0;
       const int64_t b = valid ? slot_id(s.slot[b_index]) : a;
-      const float d_ab = row_distance<TEAM>(x, args, a, b, valid, rank);  // on every lane of the team
+      float d_ab;  // on every lane of the team
+      if constexpr (CODES) {
+        d_ab = pair_code_distance<TEAM>(args, a, b, valid, rank);
+      } else {
+        d_ab = row_distance<TEAM>(x, args, a, b, valid, rank);
+      }
       const float d_vb = s.dist[b_index];
       // The farther one moves to the closer one: a to b, or b to a (b then leaves `kept`).
       const bool holds = valid && d_ab < fmaxf(d_va, d_vb);
@@ -761,7 +802,11 @@ at::Tensor run_build(const T* x, const DevicePools& pools, const BuildArgs& args
     BuildArgs iteration = args;
     iteration.update_order = order;
     C10_CUDA_CHECK(cudaMemsetAsync(pools.counts + (read ^ 1) * n, 0, n * sizeof(int), stream));
-    update_kernel<T, TEAM><<<blocks, kBlockThreads, shared, stream>>>(x, pools, iteration, read, round);
+    if (args.codes != nullptr) {
+      update_kernel<T, TEAM, true><<<blocks, kBlockThreads, shared, stream>>>(x, pools, iteration, read, round);
+    } else {
+      update_kernel<T, TEAM, false><<<blocks, kBlockThreads, shared, stream>>>(x, pools, iteration, read, round);
+    }
     check_launch();
     read ^= 1;
     // The one host synchronisation of a round, only when convergence or progress needs it.
@@ -844,12 +889,14 @@ int64_t free_device_bytes(c10::DeviceIndex device) {
 at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_degree, int64_t pool_size,
                       int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
                       c10::string_view metric, int64_t seed, double delta, c10::string_view start,
-                      const c10::optional<at::Tensor>& init, int64_t init_split, c10::string_view init_mode) {
+                      const c10::optional<at::Tensor>& init, int64_t init_split, c10::string_view init_mode,
+                      const c10::optional<at::Tensor>& pair_code_rows, double pair_code_scale) {
   check_build_inputs(data);
   const c10::cuda::CUDAGuard guard(data.device());
   const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
                                           std::string(update_order), std::string(metric), seed, delta,
                                           std::string(start));
+  const at::Tensor codes = check_pair_codes(pair_code_rows, pair_code_scale, data, p.metric);
   const int64_t n = data.size(0);
   const at::Tensor init_entries = start_entries(init, data, p);
   const at::Tensor x = prepare_vectors(data, p.metric);
@@ -904,7 +951,10 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
                        p.seed,
                        cell_view(cells),
                        start_split(init_split, init_mode, n, p),
-                       changes.data_ptr<int>()};
+                       changes.data_ptr<int>(),
+                       codes.defined() ? codes.data_ptr<uint8_t>() : nullptr,
+                       codes.defined() ? codes.size(1) : 0,
+                       static_cast<float>(pair_code_scale)};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index());
   const UnfoundOf unfound_of = [&](const at::Tensor& graph) { return unfound_share(data, graph, metric); };
   at::Tensor pooled_rows;  // a view into slots

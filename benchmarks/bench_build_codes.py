@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Builds whose distances come from one-byte codes of the rows: build time and what the graph
+loses, every graph searched with the exact rows (recall@10 of the in and rare-category queries of
+benchmarks/datasets.py's families).
+
+    python -m benchmarks.bench_build_codes --sets zipf_aniso:1000000x1024,aniso:1000000x384 \
+        [--variants rows,pair_codes,rotated,codes,rotated_codes] [--seeds 0,1] [--lists 64,256]
+
+Variants: ``rows`` (the default build), ``pair_codes`` (``BuildParams.pair_codes``: the update
+rounds' pair distances from the codes, by the kernels), and three emulations, each a default
+build on other rows: ``rotated`` (the rows turned by one random orthogonal matrix: the same
+distances up to float16 rounding, a control for the build's run-to-run spread), ``codes`` (the
+rows replaced by their codes decoded, ``codes.pair_codes``: every distance of the build from the
+codes, up to float16 rounding) and ``rotated_codes`` (the rotation, then the codes: it evens out
+the dimensions' spreads, which one step for all of them needs). ``--seeds``: builds of each
+variant with these build seeds, for the spread. One GPU.
+"""
+import argparse
+import time
+
+import torch
+
+import torch_grnnd as grnnd
+from benchmarks.datasets import make_rare_queries, make_set, parse_sets
+from torch_grnnd.codes import pair_codes
+
+_CHUNK = 1 << 20
+
+
+def rotated(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """x turned by a random orthogonal matrix (QR of a Gaussian one), float16."""
+    g = torch.Generator(device=x.device).manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(x.shape[1], x.shape[1], generator=g, device=x.device))
+    q = q * torch.sign(torch.diagonal(r))
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[0], _CHUNK):
+        out[start:start + _CHUNK] = (x[start:start + _CHUNK].float() @ q).half()
+    return out
+
+
+def decoded_codes(x: torch.Tensor) -> torch.Tensor:
+    """x's pair codes (torch_grnnd.codes.pair_codes) decoded: o + s q, float16."""
+    codes, scale = pair_codes(x)
+    lo, step = x.min(0).values.float(), scale ** 0.5
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[0], _CHUNK):
+        out[start:start + _CHUNK] = (lo + codes[start:start + _CHUNK, :x.shape[1]].float() * step).half()
+    return out
+
+
+# variant -> (the rows a build runs on, its settings)
+VARIANTS = {"rows": (lambda x: x, {}), "pair_codes": (lambda x: x, {"pair_codes": True}),
+            "rotated": (rotated, {}), "codes": (decoded_codes, {}),
+            "rotated_codes": (lambda x: decoded_codes(rotated(x)), {})}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sets", required=True, help="family:NxD,... (benchmarks/datasets.py)")
+    p.add_argument("--variants", default="rows,pair_codes")
+    p.add_argument("--seeds", default="0,1", help="build seeds")
+    p.add_argument("--lists", default="64,256")
+    args = p.parse_args()
+    lists = [int(v) for v in args.lists.split(",")]
+    for family, n, d in parse_sets(args.sets):
+        x, q_in = make_set(family, n, d)
+        q_rare, _ = make_rare_queries(family, n, d)
+        queries = {"in": q_in, "rare": q_rare}
+        truth = {name: grnnd.knn(x, q, 10)[1] for name, q in queries.items()}
+        grnnd.build(x[:100_000], pair_codes=True)  # warm-up: kernels loaded before the first timed build
+        for variant in args.variants.split(","):
+            make_rows, settings = VARIANTS[variant]
+            rows = make_rows(x)
+            for seed in (int(v) for v in args.seeds.split(",")):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                graph = grnnd.build(rows, seed=seed, **settings)
+                torch.cuda.synchronize()
+                took = time.perf_counter() - start
+                found = [f"{name} {grnnd.recall(grnnd.search(x, graph, q, 10, list_size=size)[1], truth[name], 10):.4f}"
+                         for size in lists for name, q in queries.items()]
+                print(f"{family} {n}x{d} {variant}, seed {seed}: build {took:.2f} s; recall@10 at lists "
+                      f"{'/'.join(map(str, lists))}: {', '.join(found)}", flush=True)
+                del graph
+            del rows
+        del x, queries, truth
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Builds whose update rounds take pair distances from one-byte codes (BuildParams.pair_codes),
+on the CPU and CUDA against faiss-cpu's exact neighbours, and the codes themselves."""
+import pytest
+import torch
+
+import torch_grnnd as grnnd
+from conftest import clustered, exact_neighbours, one_thread
+from torch_grnnd.codes import pair_codes
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def test_codes_give_squared_distances_on_one_step():
+    x = clustered(2_000, 40, 10, seed=1)
+    codes, scale = pair_codes(x)
+    assert codes.dtype == torch.uint8 and codes.shape == (2_000, 48)  # 40 rounded up to 16s
+    assert int(codes[:, 40:].abs().sum()) == 0
+    lo, step = x.min(0).values, float((x.max(0).values - x.min(0).values).max()) / 255
+    assert scale == pytest.approx(step * step)
+    assert torch.equal(codes[:, :40], ((x - lo) / step).round().clamp(0, 255).to(torch.uint8))
+    # scale * sum of squared code differences is the squared distance up to the rounding: each
+    # coordinate moves by at most half a step, so each difference by at most one step s, and
+    # |d' - d| <= sum over coordinates of 2 |x_a - x_b| s + s^2.
+    a, b = codes[:500].long(), codes[500:1000].long()
+    approx = scale * (a - b).pow(2).sum(1).double()
+    difference = (x[:500] - x[500:1000]).double()
+    bound = (2 * difference.abs() * step + step * step).sum(1)
+    assert bool(((approx - difference.pow(2).sum(1)).abs() <= bound * (1 + 1e-6)).all())
+    assert float(((approx - difference.pow(2).sum(1)).abs() / difference.pow(2).sum(1)).median()) < 0.01
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_build_on_codes_recalls_as_the_rows_do(device):
+    x = clustered(20_000, 64, 40, seed=2)
+    queries = x[:500] + 0.3 * torch.randn(500, 64, generator=torch.Generator().manual_seed(5))
+    truth = exact_neighbours(x, queries, 10)[1]
+    found = {}
+    for codes in (False, True):
+        graph = grnnd.build(x.to(device), pair_codes=codes)
+        ids = grnnd.search(x.to(device), graph, queries.to(device), 10, list_size=32)[1].cpu()
+        found[codes] = grnnd.recall(ids, truth, 10)
+    assert found[False] >= 0.9 and found[True] >= found[False] - 0.01
+
+
+def test_the_codes_decide_the_pairs():
+    # On one thread a build depends on its seed alone: the same build on the rows and on their
+    # codes differ only where a code distance orders a pair otherwise than the rows'.
+    x = clustered(3_000, 16, 12, seed=3, noise=2.0)
+    with one_thread():
+        rows = grnnd.build(x, degree=16, seed=4)
+        coded = grnnd.build(x, degree=16, seed=4, pair_codes=True)
+        again = grnnd.build(x, degree=16, seed=4, pair_codes=True)
+    assert torch.equal(coded, again) and not torch.equal(coded, rows)
+
+
+def test_pair_codes_are_checked():
+    x = clustered(500, 16, 5, seed=6)
+    with pytest.raises(ValueError, match="l2 only"):
+        grnnd.build(x, metric="ip", pair_codes=True)
+    codes, scale = pair_codes(x)
+    op = torch.ops.grnnd.build.default
+    for bad, message in ((codes.int(), "expected uint8"), (codes[:, :8], "stride a multiple of 16"),
+                         (codes[:400], "expected shape")):
+        with pytest.raises((ValueError, TypeError), match=message):
+            op(x, pair_code_rows=bad, pair_code_scale=scale)
+    with pytest.raises(ValueError, match="positive finite"):
+        op(x, pair_code_rows=codes, pair_code_scale=0.0)
+    with pytest.raises(ValueError, match="l2 only"):
+        op(x, metric="cosine", pair_code_rows=codes, pair_code_scale=scale)
+    with one_thread():  # a graph that depends on the seed alone, the same in every mode opcheck runs
+        torch.library.opcheck(op, (x,), dict(degree=8, pool_size=16, initial_degree=8, pair_code_rows=codes,
+                                             pair_code_scale=scale))
