@@ -113,9 +113,9 @@ class BuildParams(_Settings):
             one-byte codes of the rows (one step for every dimension, :func:`torch_grnnd.codes.pair_codes`)
             instead of the rows: half the bytes of float16 rows, read four dimensions an
             instruction pair on the GPU. The start, the fill, the repair and the search read the
-            rows as before. On an H200 builds of 1 024-d float16 clustered rows ran 1.6-1.9x
-            faster (10M x 1024 Zipf/anisotropic clusters: 7.9 s against 12.6 s), real 384-d
-            sentence embeddings 1.2x (0.35 s against 0.43 s), with recall within the builds'
+            rows as before. On an H200 builds of 1 024-d float16 clustered rows ran 1.7-1.9x
+            faster (10M x 1024 Zipf/anisotropic clusters: 6.5 s against 12.6 s), real 384-d
+            sentence embeddings 1.2x or more (0.35 s against 0.43 s), with recall within the builds'
             spread or above, except on clusters of about 20 rows, whose in-distribution queries
             lost up to 0.010 at list 64 (benchmarks/README.md, "Building on one-byte codes").
             The codes take N x D bytes of memory on the build's device while it runs. Off by
