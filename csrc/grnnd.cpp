@@ -79,7 +79,7 @@ TORCH_LIBRARY(grnnd, m) {
   // from the other graph, hubs.h, initial_neighbour) or a graph's new rows (init_mode "grow",
   // Index.add); build_schedule.h, Split. 0: draws from all rows.
   // pair_code_rows, pair_code_scale: one-byte codes of the rows that the update rounds take their
-  // pair distances from (l2; checks.h, check_pair_codes; torch_grnnd/codes.py, pair_codes).
+  // pair distances from (l2 and cosine; checks.h, check_pair_codes; torch_grnnd/codes.py, pair_codes).
   m.def(
       "build(Tensor data, *, int degree=48, int initial_degree=16, int pool_size=48, int outer_iters=8, "
       "int inner_iters=8, float reverse_ratio=0.6, str update_order=\"descending\", str metric=\"l2\", "

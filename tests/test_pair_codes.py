@@ -29,15 +29,32 @@ def test_codes_give_squared_distances_on_one_step():
     assert float(((approx - difference.pow(2).sum(1)).abs() / difference.pow(2).sum(1)).median()) < 0.01
 
 
+def test_codes_of_unit_rows_give_cosine_distances():
+    x = clustered(2_000, 40, 10, seed=1) + 0.5  # off the origin, so that directions differ in spread
+    codes, scale = pair_codes(x, "cosine")
+    unit = x / x.norm(dim=1, keepdim=True)
+    step = float((unit.max(0).values - unit.min(0).values).max()) / 255
+    assert scale == pytest.approx(step * step / 2)
+    a, b = codes[:500].long(), codes[500:1000].long()
+    approx = scale * (a - b).pow(2).sum(1).double()
+    cosine = 1 - (unit[:500] * unit[500:1000]).sum(1).double()
+    # as for l2, half of each squared distance's bound: |d' - d| <= sum of (2 |u_a - u_b| s + s^2) / 2
+    bound = (2 * (unit[:500] - unit[500:1000]).double().abs() * step + step * step).sum(1) / 2
+    assert bool(((approx - cosine).abs() <= bound * (1 + 1e-5) + 1e-6).all())
+    with pytest.raises(ValueError, match="l2 and cosine"):
+        pair_codes(x, "ip")
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_build_on_codes_recalls_as_the_rows_do(device):
+def test_a_build_on_codes_recalls_as_the_rows_do(device, metric):
     x = clustered(20_000, 64, 40, seed=2)
     queries = x[:500] + 0.3 * torch.randn(500, 64, generator=torch.Generator().manual_seed(5))
-    truth = exact_neighbours(x, queries, 10)[1]
+    truth = exact_neighbours(x, queries, 10, metric=metric)[1]
     found = {}
     for codes in (False, True):
-        graph = grnnd.build(x.to(device), pair_codes=codes)
-        ids = grnnd.search(x.to(device), graph, queries.to(device), 10, list_size=32)[1].cpu()
+        graph = grnnd.build(x.to(device), metric=metric, pair_codes=codes)
+        ids = grnnd.search(x.to(device), graph, queries.to(device), 10, list_size=32, metric=metric)[1].cpu()
         found[codes] = grnnd.recall(ids, truth, 10)
     assert found[False] >= 0.9 and found[True] >= found[False] - 0.01
 
@@ -55,7 +72,7 @@ def test_the_codes_decide_the_pairs():
 
 def test_pair_codes_are_checked():
     x = clustered(500, 16, 5, seed=6)
-    with pytest.raises(ValueError, match="l2 only"):
+    with pytest.raises(ValueError, match="l2 and cosine"):
         grnnd.build(x, metric="ip", pair_codes=True)
     codes, scale = pair_codes(x)
     op = torch.ops.grnnd.build.default
@@ -65,8 +82,8 @@ def test_pair_codes_are_checked():
             op(x, pair_code_rows=bad, pair_code_scale=scale)
     with pytest.raises(ValueError, match="positive finite"):
         op(x, pair_code_rows=codes, pair_code_scale=0.0)
-    with pytest.raises(ValueError, match="l2 only"):
-        op(x, metric="cosine", pair_code_rows=codes, pair_code_scale=scale)
+    with pytest.raises(ValueError, match="l2 and cosine only"):
+        op(x, metric="ip", pair_code_rows=codes, pair_code_scale=scale)
     with one_thread():  # a graph that depends on the seed alone, the same in every mode opcheck runs
         torch.library.opcheck(op, (x,), dict(degree=8, pool_size=16, initial_degree=8, pair_code_rows=codes,
                                              pair_code_scale=scale))

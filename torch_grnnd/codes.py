@@ -74,28 +74,38 @@ def code_dims(dim: int, kind: str = "int8") -> int:
     return (dim + 15) // 16 * 16 if kind == "int8" else (dim + 31) // 32 * 32
 
 
-def pair_codes(rows: Tensor) -> Tuple[Tensor, float]:
+def pair_codes(rows: Tensor, metric: str = "l2") -> Tuple[Tensor, float]:
     """One-byte codes of ``rows`` [N, D] for a build's pair distances (``BuildParams.pair_codes``):
     uint8 [N, stride] on the rows' device, stride D rounded up to a multiple of 16 (zeros past
     D), each code round((x - o) / s) with o the dimension's minimum over the rows and one step s
-    for every dimension (the widest range / 255); and s^2, the scale that turns a sum of squared
-    code differences into a squared distance (csrc/core/checks.h, check_pair_codes). One step
-    keeps that sum four dimensions an instruction pair on the GPU; a dimension of a small range
-    then gets few levels, which costs little where the dimensions' spreads are alike."""
+    for every dimension (the widest range / 255); and the scale that turns a sum of squared code
+    differences into the metric's distance (csrc/core/checks.h, check_pair_codes): s^2 under l2.
+    Under cosine the codes are those of the rows divided by their norms, and the scale s^2 / 2:
+    half the squared distance of unit rows is 1 - their cosine (a zero row, which has no
+    direction, stays zero, half a unit from every unit row instead of 1). One step keeps that sum
+    four dimensions an instruction pair on the GPU; a dimension of a small range then gets few
+    levels, which costs little where the dimensions' spreads are alike."""
+    if metric not in ("l2", "cosine"):
+        raise ValueError(f"pair_codes: codes measure l2 and cosine distances, not {metric!r}")
     n, dim = rows.shape
+
+    def chunk(start: int) -> Tensor:
+        part = rows[start:start + _CHUNK_ROWS].float()
+        return part / part.norm(dim=1, keepdim=True).clamp_min(1e-30) if metric == "cosine" else part
+
     lo = torch.full((dim,), math.inf, device=rows.device)
     hi = torch.full((dim,), -math.inf, device=rows.device)
     for start in range(0, n, _CHUNK_ROWS):
-        part = rows[start:start + _CHUNK_ROWS].float()
+        part = chunk(start)
         lo = torch.minimum(lo, part.amin(0))
         hi = torch.maximum(hi, part.amax(0))
     widest = float((hi - lo).max()) if n > 0 else 0.0
     step = widest / 255 if widest > 0 else 1.0  # all rows alike: every code 0
     out = torch.zeros(n, -(-dim // 16) * 16, dtype=torch.uint8, device=rows.device)
     for start in range(0, n, _CHUNK_ROWS):
-        part = rows[start:start + _CHUNK_ROWS].float()
+        part = chunk(start)
         out[start:start + part.shape[0], :dim] = ((part - lo) / step).round_().clamp_(0, 255).to(torch.uint8)
-    return out, step * step
+    return out, step * step / (2 if metric == "cosine" else 1)
 
 
 def code_row_bytes(dim: int, metric: str, kind: str = "int8") -> int:

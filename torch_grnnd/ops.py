@@ -27,10 +27,11 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
     p = BuildParams.merge(params, **settings)
     code_rows, code_scale = None, 0.0
     if p.pair_codes:
-        if metric != "l2":
-            raise ValueError(f"pair_codes: the build takes pair distances from codes under l2 only, got {metric!r}")
+        if metric not in ("l2", "cosine"):
+            raise ValueError(f"pair_codes: the build takes pair distances from codes under l2 and cosine, not "
+                             f"{metric!r}")
         if isinstance(data, Tensor) and data.dim() == 2 and data.is_floating_point():  # else the op says what is wrong
-            code_rows, code_scale = pair_codes(data)
+            code_rows, code_scale = pair_codes(data, metric)
 
     def run() -> Tensor:
         return torch.ops.grnnd.build.default(

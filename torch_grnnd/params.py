@@ -109,7 +109,7 @@ class BuildParams(_Settings):
         start: ``"hubs"``: most initial neighbours come from the cells of each row's two nearest
             hubs (a sample of one row in 1000, found by matrix products), a start that is already
             local; ``"random"``: all uniform (seed 000). Below 16 000 rows both are uniform.
-        pair_codes: l2 only. The update rounds take the distance of each pair they compare from
+        pair_codes: l2 and cosine. The update rounds take the distance of each pair they compare from
             one-byte codes of the rows (one step for every dimension, :func:`torch_grnnd.codes.pair_codes`)
             instead of the rows: half the bytes of float16 rows, read four dimensions an
             instruction pair on the GPU. The start, the fill, the repair and the search read the

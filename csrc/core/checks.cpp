@@ -177,7 +177,8 @@ at::Tensor check_pair_codes(const c10::optional<at::Tensor>& codes, double scale
                             Metric metric) {
   if (!codes.has_value() || !codes->defined()) return at::Tensor();
   const at::Tensor& t = *codes;
-  TORCH_CHECK_VALUE(metric == Metric::kL2, "pair_code_rows: the build takes pair distances from codes under l2 only");
+  TORCH_CHECK_VALUE(metric == Metric::kL2 || metric == Metric::kCosine,
+                    "pair_code_rows: the build takes pair distances from codes under l2 and cosine only");
   TORCH_CHECK_TYPE(t.scalar_type() == at::kByte, "pair_code_rows: expected uint8, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == data.size(0) && t.size(1) % 16 == 0 && t.size(1) >= data.size(1) &&
                         t.size(1) <= kMaxPairCodeStride,

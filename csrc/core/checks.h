@@ -53,7 +53,8 @@ void check_build_inputs(const at::Tensor& data);
 // [n, stride] on data's device, stride a multiple of 16 of at least dim (zeros past dim), code
 // = round((x - offset) / step) with one step for every dimension, and `scale` that step squared,
 // so that d(a, b) = scale * sum over dimensions of (code_a - code_b)^2 (pair_code_distance). l2
-// only, and at most kMaxPairCodeStride bytes a row (the sum stays in 32 bits). Returned
+// and cosine (the codes of the unit rows, half that scale: 1 - cos is half the squared distance
+// of unit rows), at most kMaxPairCodeStride bytes a row (the sum stays in 32 bits). Returned
 // contiguous, or undefined when none are given.
 constexpr int64_t kMaxPairCodeStride = 65536;
 at::Tensor check_pair_codes(const c10::optional<at::Tensor>& codes, double scale, const at::Tensor& data,
