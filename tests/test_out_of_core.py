@@ -33,6 +33,18 @@ def check_graph(graph: torch.Tensor, n: int, degree: int = grnnd.BuildParams().d
     assert int(filled.sum(1).min()) >= 8
 
 
+
+def test_a_budget_holds_the_pair_codes_too(blobs, blobs_truth, blobs_graph):
+    data, queries = blobs
+    n, dim = data.shape
+    rows = out_of_core.bytes_per_row(dim, data.element_size(), grnnd.BuildParams())
+    coded = out_of_core.bytes_per_row(dim, data.element_size(), grnnd.BuildParams(pair_codes=True))
+    assert coded == rows + (dim + 15) // 16 * 16
+    graph = grnnd.build(data, device="cpu", max_gpu_memory=budget_for(n // 3, data, pair_codes=True),
+                        pair_codes=True)
+    check_graph(graph, n)
+    assert recall(data, graph, queries, blobs_truth) >= recall(data, blobs_graph, queries, blobs_truth) - 0.01
+
 @pytest.mark.parametrize("shards_worth", [2.5, 6.0])
 def test_sharded_build_recalls_as_the_whole_build(blobs, blobs_truth, blobs_graph, shards_worth):
     data, queries = blobs

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from . import editing, ops
+from .codes import code_dims
 from .params import BuildParams
 from .progress import Progress, steps_reporter
 
@@ -104,8 +105,10 @@ def parse_bytes(value: Union[int, float, str]) -> int:
 
 def bytes_per_row(dim: int, element_size: int, p: BuildParams) -> int:
     """Device bytes a build needs per row: the row (and a prepared copy for cosine or a wider
-    dtype), the pools, their counts and locks, the start's cells, and the graph with its fill."""
-    return 2 * dim * max(element_size, 2) + 2 * p.pool_size * 8 + 16 + 12 + 2 * p.degree * 4
+    dtype), the pools, their counts and locks, the start's cells, the graph with its fill, and
+    with ``pair_codes`` the row's codes (one byte a dimension, in 16s)."""
+    codes = code_dims(dim) if p.pair_codes else 0
+    return 2 * dim * max(element_size, 2) + 2 * p.pool_size * 8 + 16 + 12 + 2 * p.degree * 4 + codes
 
 
 def join_capacity(budget: int, n: int, dim: int, element_size: int, p: BuildParams, rows_per_shard: int) -> int:
