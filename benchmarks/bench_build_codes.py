@@ -4,7 +4,7 @@ loses, every graph searched with the exact rows (recall@10 of the in and rare-ca
 benchmarks/datasets.py's families).
 
     python -m benchmarks.bench_build_codes --sets zipf_aniso:1000000x1024,aniso:1000000x384 \
-        [--variants rows,pair_codes,rotated,codes,rotated_codes] [--seeds 0,1] [--lists 64,256]
+        [--variants rows,pair_codes,rotated,codes,rotated_codes] [--seeds 0,1] [--lists 64,256] [--metric cosine]
 
 Variants: ``rows`` (the default build), ``pair_codes`` (``BuildParams.pair_codes``: the update
 rounds' pair distances from the codes, by the kernels), and three emulations, each a default
@@ -60,25 +60,33 @@ def main():
     p.add_argument("--variants", default="rows,pair_codes")
     p.add_argument("--seeds", default="0,1", help="build seeds")
     p.add_argument("--lists", default="64,256")
+    p.add_argument("--metric", default="l2", choices=["l2", "cosine"],
+                   help="the builds' and searches' metric (the emulations are of l2 codes: rows and pair_codes only)")
     args = p.parse_args()
+    if args.metric != "l2" and set(args.variants.split(",")) - {"rows", "pair_codes"}:
+        p.error("--metric cosine takes the variants rows and pair_codes only")
+    metric = args.metric
     lists = [int(v) for v in args.lists.split(",")]
     for family, n, d in parse_sets(args.sets):
         x, q_in = make_set(family, n, d)
         q_rare, _ = make_rare_queries(family, n, d)
         queries = {"in": q_in, "rare": q_rare}
-        truth = {name: grnnd.knn(x, q, 10)[1] for name, q in queries.items()}
-        grnnd.build(x[:100_000], pair_codes=True)  # warm-up: kernels loaded before the first timed build
+        truth = {name: grnnd.knn(x, q, 10, metric=metric)[1] for name, q in queries.items()}
+        grnnd.build(x[:100_000], pair_codes=True, metric=metric)  # warm-up: kernels loaded before the first timed build
         for variant in args.variants.split(","):
             make_rows, settings = VARIANTS[variant]
             rows = make_rows(x)
             for seed in (int(v) for v in args.seeds.split(",")):
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-                graph = grnnd.build(rows, seed=seed, **settings)
+                graph = grnnd.build(rows, seed=seed, metric=metric, **settings)
                 torch.cuda.synchronize()
                 took = time.perf_counter() - start
-                found = [f"{name} {grnnd.recall(grnnd.search(x, graph, q, 10, list_size=size)[1], truth[name], 10):.4f}"
-                         for size in lists for name, q in queries.items()]
+                found = []
+                for size in lists:
+                    for name, q in queries.items():
+                        ids = grnnd.search(x, graph, q, 10, list_size=size, metric=metric)[1]
+                        found.append(f"{name} {grnnd.recall(ids, truth[name], 10):.4f}")
                 print(f"{family} {n}x{d} {variant}, seed {seed}: build {took:.2f} s; recall@10 at lists "
                       f"{'/'.join(map(str, lists))}: {', '.join(found)}", flush=True)
                 del graph
