@@ -172,7 +172,10 @@ def worker(rank: int, world: int, init: str, out: str, device: str, backend: str
                                        if rank == 0 else None),
                 lambda: sharded.search(my_queries, 10, list_size=64, **({"lst_size": 32} if rank == 1 else {})),
                 lambda: replicated.search(queries.to(device), 10, list_size=64,
-                                          **({"lst_size": 32} if rank == 1 else {}))):
+                                          **({"lst_size": 32} if rank == 1 else {})),
+                # Something other than a tensor on one rank.
+                lambda: grnnd.distributed.knn(mine, my_queries.tolist() if rank == 1 else my_queries, 10),
+                lambda: sharded.add(mine[:3].tolist() if rank == 1 else mine[:3])):
         try:
             bad()
             errors.append(None)
@@ -275,6 +278,8 @@ def check(results, world):
         assert ("a filter is over one shard's rows" if rank == 0 else "failed on rank(s) [0]") in e[8]
         for j in (9, 10):
             assert ("unknown setting(s) ['lst_size']" if rank == 1 else "failed on rank(s) [1]") in e[j]
+        assert "knn: the ranks disagree on query_dim: [16, -1" in e[11]
+        assert "ShardedIndex.add: the ranks disagree on dim: [16, -1" in e[12]
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -184,6 +184,20 @@ class RanksFailed(RuntimeError):
     error; a failed rank raises its own)."""
 
 
+def _matrix_fields(t: Any) -> Tuple[int, int, int]:
+    """(rows, columns, index in _DTYPES) of ``t`` as the ranks compare them, -1 for each that
+    ``t`` lacks (not a 2-D tensor, not a floating dtype): read without raising, so that a rank
+    passing something else enters the agreement and every rank raises there."""
+    tensor = isinstance(t, Tensor)
+    matrix = tensor and t.dim() == 2
+    return (t.shape[0] if matrix else -1, t.shape[1] if matrix else -1,
+            _DTYPES.index(t.dtype) if tensor and t.dtype in _DTYPES else -1)
+
+
+def _type_name(t: Any) -> str:
+    return str(t.dtype) if isinstance(t, Tensor) else type(t).__name__
+
+
 def _setup(what: str, group: Optional[dist.ProcessGroup], data: Tensor, metric: str,
            queries: Optional[Tensor] = None, on_host: bool = False, failure: Optional[Exception] = None,
            **extra: int) -> Tuple[int, int, List[int]]:
@@ -193,22 +207,20 @@ def _setup(what: str, group: Optional[dist.ProcessGroup], data: Tensor, metric: 
     ``failure`` (this rank's own work failed, or would) is part of the agreement: after the
     checks, a rank with one raises it and the others RanksFailed (a setting the failed rank could
     not know, passed as -1, is not compared). ``on_host``: as :func:`_agree`."""
-    fields = dict(rows_each=data.shape[0] if data.dim() == 2 else -1,
-                  dim=data.shape[1] if data.dim() == 2 else -1,
-                  dtype=_DTYPES.index(data.dtype) if data.dtype in _DTYPES else -1,
+    rows, dim, dtype = _matrix_fields(data)
+    fields = dict(rows_each=rows, dim=dim, dtype=dtype,
                   metric=_METRICS.index(metric) if metric in _METRICS else -1,
                   failed_each=int(failure is not None), **extra)
     if queries is not None:
-        fields.update(queries_each=queries.shape[0] if queries.dim() == 2 else -1,
-                      query_dim=queries.shape[1] if queries.dim() == 2 else -1,
-                      query_dtype=_DTYPES.index(queries.dtype) if queries.dtype in _DTYPES else -1)
+        rows, dim, dtype = _matrix_fields(queries)
+        fields.update(queries_each=rows, query_dim=dim, query_dtype=dtype)
     table = _agree(group, what, on_host, **fields)
     column = {name: [row[j] for row in table] for j, name in enumerate(fields)}
     if min(column["rows_each"]) < 0 or fields["dim"] < 0 or (queries is not None and min(column["queries_each"]) < 0):
         raise ValueError(f"{what}: expected 2-D tensors [rows, dim] on every rank")
     if fields["dtype"] < 0 or (queries is not None and fields["query_dtype"] < 0):
-        raise TypeError(f"{what}: expected floating-point tensors, got {data.dtype}"
-                        + ("" if queries is None else f" and {queries.dtype}"))
+        raise TypeError(f"{what}: expected floating-point tensors, got {_type_name(data)}"
+                        + ("" if queries is None else f" and {_type_name(queries)}"))
     if fields["metric"] < 0:
         raise ValueError(f'{what}: metric must be "l2", "ip" or "cosine", got {metric!r}')
     if queries is not None and fields["query_dim"] != fields["dim"]:
@@ -689,8 +701,10 @@ class ShardedIndex:
         # Checked before the agreement, whose failures every rank hears of: a rank that raised
         # alone would leave the others waiting in the exchange of the rows.
         bad_ids = None
-        if ids is not None and ids.shape != (vectors.shape[0],):
-            bad_ids = ValueError(f"{what}: ids: expected shape [{vectors.shape[0]}], got {tuple(ids.shape)}")
+        if ids is not None and isinstance(vectors, Tensor) and vectors.dim() == 2:  # else _setup says what is wrong
+            if not isinstance(ids, Tensor) or ids.shape != (vectors.shape[0],):
+                got = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
+                bad_ids = ValueError(f"{what}: ids: expected shape [{vectors.shape[0]}], got {got}")
         offset, added, _ = _setup(what, self.group, vectors, self.local.metric, failure=bad_ids,
                                   has_ids=int(ids is not None), balance=int(balance))
         if balance and self.partition is not None:
