@@ -175,7 +175,8 @@ def worker(rank: int, world: int, init: str, out: str, device: str, backend: str
                                           **({"lst_size": 32} if rank == 1 else {})),
                 # Something other than a tensor on one rank.
                 lambda: grnnd.distributed.knn(mine, my_queries.tolist() if rank == 1 else my_queries, 10),
-                lambda: sharded.add(mine[:3].tolist() if rank == 1 else mine[:3])):
+                lambda: sharded.add(mine[:3].tolist() if rank == 1 else mine[:3]),
+                lambda: sharded.remove([1] if rank == 1 else torch.zeros(0, dtype=torch.long))):
         try:
             bad()
             errors.append(None)
@@ -280,6 +281,7 @@ def check(results, world):
             assert ("unknown setting(s) ['lst_size']" if rank == 1 else "failed on rank(s) [1]") in e[j]
         assert "knn: the ranks disagree on query_dim: [16, -1" in e[11]
         assert "ShardedIndex.add: the ranks disagree on dim: [16, -1" in e[12]
+        assert "ShardedIndex.remove: expected a tensor of ids on every rank; rank(s) [1] passed" in e[13]
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -732,8 +732,11 @@ class ShardedIndex:
         with any ids, possibly none, of vectors on any rank). Ids that no shard holds live, or
         that repeat, raise on every rank and change nothing."""
         what = "ShardedIndex.remove"
-        ids = ids.reshape(-1).long()
-        sizes = [row[0] for row in _agree(self.group, what, ids_each=ids.shape[0])]
+        ids = ids.reshape(-1).long() if isinstance(ids, Tensor) else None  # None: said in the agreement
+        sizes = [row[0] for row in _agree(self.group, what, ids_each=-1 if ids is None else ids.shape[0])]
+        if min(sizes) < 0:
+            raise TypeError(f"{what}: expected a tensor of ids on every rank; rank(s) "
+                            f"{[r for r, size in enumerate(sizes) if size < 0]} passed something else")
         if sum(sizes) == 0:  # the same table on every rank: all return here
             return
         everyone = _all_gather_rows(ids[:, None], sizes, self.group)[:, 0].to(self.local.device)
