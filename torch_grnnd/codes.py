@@ -101,7 +101,7 @@ def pair_codes(rows: Tensor, metric: str = "l2") -> Tuple[Tensor, float]:
         hi = torch.maximum(hi, part.amax(0))
     widest = float((hi - lo).max()) if n > 0 else 0.0
     step = widest / 255 if widest > 0 else 1.0  # all rows alike: every code 0
-    out = torch.zeros(n, -(-dim // 16) * 16, dtype=torch.uint8, device=rows.device)
+    out = torch.zeros(n, code_dims(dim), dtype=torch.uint8, device=rows.device)
     for start in range(0, n, _CHUNK_ROWS):
         part = chunk(start)
         out[start:start + part.shape[0], :dim] = ((part - lo) / step).round_().clamp_(0, 255).to(torch.uint8)

@@ -915,7 +915,7 @@ class ReplicatedIndex:
         """``(dists, ids)`` of the whole batch, searched a share per rank (every rank passes the
         same ``queries``, ``k`` and settings); the same as ``index.search`` on one rank."""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        batch = queries.shape[0] if isinstance(queries, Tensor) and queries.dim() == 2 else 0
+        batch = max(_matrix_fields(queries)[0], 0)
         bounds = [batch * r // world for r in range(world + 1)]
         sizes = [bounds[r + 1] - bounds[r] for r in range(world)]
         # The share is searched first and the ranks agree on the host while its kernels run

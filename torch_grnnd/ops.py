@@ -26,12 +26,9 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
     ``max_gpu_memory`` (the builds in shards of :mod:`torch_grnnd.out_of_core` call this)."""
     p = BuildParams.merge(params, **settings)
     code_rows, code_scale = None, 0.0
-    if p.pair_codes:
-        if metric not in ("l2", "cosine"):
-            raise ValueError(f"pair_codes: the build takes pair distances from codes under l2 and cosine, not "
-                             f"{metric!r}")
-        if isinstance(data, Tensor) and data.dim() == 2 and data.is_floating_point():  # else the op says what is wrong
-            code_rows, code_scale = pair_codes(data, metric)
+    # pair_codes checks the metric; rows the codes cannot be made of are the op's to refuse
+    if p.pair_codes and isinstance(data, Tensor) and data.dim() == 2 and data.is_floating_point():
+        code_rows, code_scale = pair_codes(data, metric)
 
     def run() -> Tensor:
         return torch.ops.grnnd.build.default(
