@@ -3,17 +3,19 @@
 loses, every graph searched with the exact rows (recall@10 of the in and rare-category queries of
 benchmarks/datasets.py's families).
 
-    python -m benchmarks.bench_build_codes --sets zipf_aniso:1000000x1024,aniso:1000000x384 \
+    python -m benchmarks.bench_build_codes --sets zipf_aniso:1000000x1024,aniso:1000000x384,.data/text/embeddings.pt \
         [--variants rows,pair_codes,rotated,codes,rotated_codes] [--seeds 0,1] [--lists 64,256] [--metric cosine]
 
-Variants: ``rows`` (the default build), ``pair_codes`` (``BuildParams.pair_codes``: the update
-rounds' pair distances from the codes, by the kernels), and three emulations, each a default
-build on other rows: ``rotated`` (the rows turned by one random orthogonal matrix: the same
-distances up to float16 rounding, a control for the build's run-to-run spread), ``codes`` (the
-rows replaced by their codes decoded, ``codes.pair_codes``: every distance of the build from the
-codes, up to float16 rounding) and ``rotated_codes`` (the rotation, then the codes: it evens out
-the dimensions' spreads, which one step for all of them needs). ``--seeds``: builds of each
-variant with these build seeds, for the spread. One GPU.
+Variants: ``rows`` (the build on the rows, ``pair_codes=False``, with the rows' default
+``delta``), ``pair_codes`` (``BuildParams.pair_codes``: the update rounds' pair distances from the
+codes, by the kernels, with the codes' default ``delta``; the default build on a GPU),
+``pair_codes_rows_delta`` (the same at the rows' ``delta``), and three emulations, each a build on
+other rows with ``pair_codes=False``: ``rotated`` (the rows turned by one random orthogonal
+matrix: the same distances up to float16 rounding, a control for the build's run-to-run spread),
+``codes`` (the rows replaced by their codes decoded, ``codes.pair_codes``: every distance of the
+build from the codes, up to float16 rounding) and ``rotated_codes`` (the rotation, then the codes:
+it evens out the dimensions' spreads, which one step for all of them needs). ``--seeds``: builds
+of each variant with these build seeds, for the spread. One GPU.
 """
 import argparse
 import time
@@ -21,8 +23,9 @@ import time
 import torch
 
 import torch_grnnd as grnnd
-from benchmarks.datasets import make_rare_queries, make_set, parse_sets
+from benchmarks.datasets import load_data, make_rare_queries, make_set, parse_sets
 from torch_grnnd.codes import pair_codes
+from torch_grnnd.params import ROWS_DELTA
 
 _CHUNK = 1 << 20
 
@@ -49,30 +52,37 @@ def decoded_codes(x: torch.Tensor) -> torch.Tensor:
 
 
 # variant -> (the rows a build runs on, its settings)
-VARIANTS = {"rows": (lambda x: x, {}), "pair_codes": (lambda x: x, {"pair_codes": True}),
-            "rotated": (rotated, {}), "codes": (decoded_codes, {}),
-            "rotated_codes": (lambda x: decoded_codes(rotated(x)), {})}
+ON_ROWS = {"pair_codes": False}
+VARIANTS = {"rows": (lambda x: x, ON_ROWS), "pair_codes": (lambda x: x, {"pair_codes": True}),
+            "pair_codes_rows_delta": (lambda x: x, {"pair_codes": True, "delta": ROWS_DELTA}),
+            "rotated": (rotated, ON_ROWS), "codes": (decoded_codes, ON_ROWS),
+            "rotated_codes": (lambda x: decoded_codes(rotated(x)), ON_ROWS)}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sets", required=True, help="family:NxD,... (benchmarks/datasets.py)")
+    p.add_argument("--sets", required=True, help="family:NxD or saved embeddings (a .pt file), ... (benchmarks/datasets.py)")
     p.add_argument("--variants", default="rows,pair_codes")
     p.add_argument("--seeds", default="0,1", help="build seeds")
     p.add_argument("--lists", default="64,256")
     p.add_argument("--metric", default="l2", choices=["l2", "cosine"],
                    help="the builds' and searches' metric (the emulations are of l2 codes: rows and pair_codes only)")
     args = p.parse_args()
-    if args.metric != "l2" and set(args.variants.split(",")) - {"rows", "pair_codes"}:
-        p.error("--metric cosine takes the variants rows and pair_codes only")
+    if args.metric != "l2" and set(args.variants.split(",")) - {"rows", "pair_codes", "pair_codes_rows_delta"}:
+        p.error("--metric cosine takes the variants rows, pair_codes and pair_codes_rows_delta only")
     metric = args.metric
     lists = [int(v) for v in args.lists.split(",")]
-    for family, n, d in parse_sets(args.sets):
-        x, q_in = make_set(family, n, d)
-        q_rare, _ = make_rare_queries(family, n, d)
-        queries = {"in": q_in, "rare": q_rare}
-        truth = {name: grnnd.knn(x, q, 10, metric=metric)[1] for name, q in queries.items()}
-        grnnd.build(x[:100_000], pair_codes=True, metric=metric)  # warm-up: kernels loaded before the first timed build
+    for spec in args.sets.split(","):
+        if spec.endswith(".pt"):  # saved embeddings (datasets.load_data): their own queries
+            name, x, q, _ = load_data(spec, "cuda")
+            queries = {"queries": q.to(x.dtype)}
+        else:
+            (family, n, d), = parse_sets(spec)
+            name, (x, q_in) = f"{family} {n}x{d}", make_set(family, n, d)
+            queries = {"in": q_in, "rare": make_rare_queries(family, n, d)[0]}
+        truth = {key: grnnd.knn(x, q, 10, metric=metric)[1] for key, q in queries.items()}
+        for codes in (True, False):  # warm-up: kernels loaded before the first timed build
+            grnnd.build(x[:100_000], pair_codes=codes, metric=metric)
         for variant in args.variants.split(","):
             make_rows, settings = VARIANTS[variant]
             rows = make_rows(x)
@@ -84,10 +94,10 @@ def main():
                 took = time.perf_counter() - start
                 found = []
                 for size in lists:
-                    for name, q in queries.items():
+                    for key, q in queries.items():
                         ids = grnnd.search(x, graph, q, 10, list_size=size, metric=metric)[1]
-                        found.append(f"{name} {grnnd.recall(ids, truth[name], 10):.4f}")
-                print(f"{family} {n}x{d} {variant}, seed {seed}: build {took:.2f} s; recall@10 at lists "
+                        found.append(f"{key} {grnnd.recall(ids, truth[key], 10):.4f}")
+                print(f"{name} {variant}, seed {seed}: build {took:.2f} s; recall@10 at lists "
                       f"{'/'.join(map(str, lists))}: {', '.join(found)}", flush=True)
                 del graph
             del rows

@@ -89,9 +89,12 @@ def median_ms(fn, repeat: int = 10, device: str = "cuda") -> float:
 
 
 def parse_settings(text: str) -> dict:
-    """"pool_size=64,reverse_ratio=0.8,update_order=descending" -> keyword arguments of build."""
-    return {k: (float(v) if "." in v else int(v) if v.lstrip("-").isdigit() else v)
-            for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+    """"pool_size=64,reverse_ratio=0.8,update_order=descending,pair_codes=False" -> keyword arguments of build."""
+    def value(v: str):
+        if v in ("True", "False"):
+            return v == "True"
+        return float(v) if "." in v else int(v) if v.lstrip("-").isdigit() else v
+    return {k: value(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
 
 
 def brute_force(base: torch.Tensor, queries: torch.Tensor, k: int, dtype: torch.dtype, chunk: int = 2048):

@@ -138,6 +138,8 @@ def test_settings_defaults_equal_schema_defaults(settings, op):
     for state in ("codes", "code_grid", "pair_code_rows", "pair_code_scale"):  # codes of the rows, not settings
         schema.pop(state, None)
     defaults = {f.name: f.default for f in dataclasses.fields(settings) if f.name in schema}
+    if settings is grnnd.BuildParams:  # None: chosen per build (pair codes or rows), the rows' the schema's
+        assert defaults.pop("delta") is None and schema.pop("delta") == grnnd.params.ROWS_DELTA
     assert defaults == schema and set(schema) <= {f.name for f in dataclasses.fields(settings)}
 
 

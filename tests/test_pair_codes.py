@@ -6,6 +6,7 @@ import torch
 import torch_grnnd as grnnd
 from conftest import clustered, exact_neighbours, one_thread
 from torch_grnnd.codes import pair_codes
+from torch_grnnd.params import CODES_DELTA, ROWS_DELTA
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -74,6 +75,8 @@ def test_pair_codes_are_checked():
     x = clustered(500, 16, 5, seed=6)
     with pytest.raises(ValueError, match="l2 and cosine"):
         grnnd.build(x, metric="ip", pair_codes=True)
+    with pytest.raises(TypeError, match="True or False"):
+        grnnd.build(x, pair_codes="False")
     codes, scale = pair_codes(x)
     op = torch.ops.grnnd.build.default
     for bad, message in ((codes.int(), "expected uint8"), (codes[:, :8], "stride a multiple of 16"),
@@ -87,3 +90,22 @@ def test_pair_codes_are_checked():
     with one_thread():  # a graph that depends on the seed alone, the same in every mode opcheck runs
         torch.library.opcheck(op, (x,), dict(degree=8, pool_size=16, initial_degree=8, pair_code_rows=codes,
                                              pair_code_scale=scale))
+
+
+def rounds_and_graph(x, **settings):
+    done = []
+    graph = grnnd.build(x, progress=lambda rounds, total, changes, unfound: done.append(rounds), **settings)
+    return done[-1], graph
+
+
+def test_a_build_on_codes_converges_at_half_the_rows_delta():
+    x = clustered(20_000, 32, 40, seed=7)
+    with one_thread():
+        default = rounds_and_graph(x, pair_codes=True)
+        halved = rounds_and_graph(x, pair_codes=True, delta=CODES_DELTA)
+        at_rows_delta = rounds_and_graph(x, pair_codes=True, delta=ROWS_DELTA)
+        rows = rounds_and_graph(x)
+        rows_at_their_delta = rounds_and_graph(x, delta=ROWS_DELTA)
+    assert CODES_DELTA == ROWS_DELTA / 2
+    assert default[0] == halved[0] > at_rows_delta[0] and torch.equal(default[1], halved[1])
+    assert rows[0] == rows_at_their_delta[0] and torch.equal(rows[1], rows_at_their_delta[1])

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .codes import Codes, pair_codes
-from .params import BuildParams, SearchParams
+from .params import CODES_DELTA, ROWS_DELTA, BuildParams, SearchParams
 from .progress import Progress, run_reporting
 
 logger = logging.getLogger(__name__)  # under "torch_grnnd"
@@ -25,16 +25,19 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
     """The build op on ``data``'s device: :func:`torch_grnnd.build` without its ``device`` and
     ``max_gpu_memory`` (the builds in shards of :mod:`torch_grnnd.out_of_core` call this)."""
     p = BuildParams.merge(params, **settings)
+    if not isinstance(p.pair_codes, bool):
+        raise TypeError(f"pair_codes: expected True or False, got {p.pair_codes!r}")
     code_rows, code_scale = None, 0.0
     # pair_codes checks the metric; rows the codes cannot be made of are the op's to refuse
     if p.pair_codes and isinstance(data, Tensor) and data.dim() == 2 and data.is_floating_point():
         code_rows, code_scale = pair_codes(data, metric)
+    delta = p.delta if p.delta is not None else (CODES_DELTA if code_rows is not None else ROWS_DELTA)
 
     def run() -> Tensor:
         return torch.ops.grnnd.build.default(
             data, degree=p.degree, initial_degree=p.initial_degree, pool_size=p.pool_size,
             outer_iters=p.outer_iters, inner_iters=p.inner_iters, reverse_ratio=p.reverse_ratio,
-            update_order=p.update_order, metric=metric, seed=p.seed, delta=p.delta, start=p.start, init=init,
+            update_order=p.update_order, metric=metric, seed=p.seed, delta=delta, start=p.start, init=init,
             init_split=init_split, init_mode=init_mode, pair_code_rows=code_rows, pair_code_scale=code_scale)
 
     if not torch.compiler.is_compiling():  # a compiled graph cannot hold a host-side log call

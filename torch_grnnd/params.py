@@ -73,6 +73,13 @@ _MERGED: dict = {}  # (settings class, keyword settings in call order, with type
 _MERGED_MAX = 256
 
 
+# The default convergence threshold (BuildParams.delta) of a build on the rows (the op schema's), and
+# of one on pair codes, whose cheaper rounds pay for a finer one (benchmarks/README.md, "Building on
+# one-byte codes").
+ROWS_DELTA: float = _default(_build, "delta")
+CODES_DELTA = ROWS_DELTA / 2
+
+
 @dataclass(frozen=True)
 class BuildParams(_Settings):
     """How :func:`torch_grnnd.build` builds a graph (GRNND, seed 000; the paper's symbols in brackets).
@@ -105,7 +112,8 @@ class BuildParams(_Settings):
             scratch also searches for a sample of 4 096 of its rows in the graph so far after each
             outer iteration from the second on, and an outer iteration that lowered the share it
             misses by more than ``delta / 2`` does not end it (rows of tiny clusters inside big
-            ones become findable late). 0 runs every round (seed 000's fixed schedule).
+            ones become findable late). 0 runs every round (seed 000's fixed schedule). None (the
+            default): ``ROWS_DELTA`` (0.02), or ``CODES_DELTA`` (0.01) for a build on pair codes.
         start: ``"hubs"``: most initial neighbours come from the cells of each row's two nearest
             hubs (a sample of one row in 1000, found by matrix products), a start that is already
             local; ``"random"``: all uniform (seed 000). Below 16 000 rows both are uniform.
@@ -113,13 +121,15 @@ class BuildParams(_Settings):
             one-byte codes of the rows (one step for every dimension, :func:`torch_grnnd.codes.pair_codes`)
             instead of the rows: half the bytes of float16 rows, read four dimensions an
             instruction pair on the GPU. The start, the fill, the repair and the search read the
-            rows as before. On an H200 builds of 1 024-d float16 clustered rows ran 1.7-1.9x
-            faster (10M x 1024 Zipf/anisotropic clusters: 6.5 s against 12.6 s), real 384-d
-            sentence embeddings 1.2x or more (0.35 s against 0.43 s), with recall within the builds'
-            spread or above, except on clusters of about 20 rows, whose in-distribution queries
-            lost up to 0.010 at list 64 (benchmarks/README.md, "Building on one-byte codes").
-            The codes take N x D bytes of memory on the build's device while it runs. Off by
-            default for that loss and that memory.
+            rows as before. The rounds cost so much less that the default ``delta`` is halved for
+            them (``CODES_DELTA``), and so on an H200 builds of 1 024-d float16 clustered rows ran
+            1.8-2.3x faster than the default build (10M x 1024 Zipf/anisotropic clusters: 7.2 s
+            against 12.7 s), 384-d rows 1.16-1.5x (real sentence embeddings: 0.37 s against
+            0.43 s), 128-d rows no faster, with recall@10 as good or better on every family measured (at the
+            rows' delta the codes lost up to 0.01 at list 64 on clusters of about 20 rows;
+            benchmarks/README.md, "Building on one-byte codes"). Off by default: small batches
+            (100 to 1 000 queries, list 32) searched the codes' graphs of real embeddings 2-15%
+            slower, and the codes take N x D bytes of memory on the build's device while it runs.
     """
 
     degree: int = _default(_build, "degree")
@@ -130,7 +140,7 @@ class BuildParams(_Settings):
     reverse_ratio: float = _default(_build, "reverse_ratio")
     update_order: str = _default(_build, "update_order")
     seed: int = _default(_build, "seed")
-    delta: float = _default(_build, "delta")
+    delta: Optional[float] = None
     start: str = _default(_build, "start")
     pair_codes: bool = False
 
