@@ -4,25 +4,30 @@ loses, every graph searched with the exact rows (recall@10 of the in and rare-ca
 benchmarks/datasets.py's families).
 
     python -m benchmarks.bench_build_codes --sets zipf_aniso:1000000x1024,aniso:1000000x384,.data/text/embeddings.pt \
-        [--variants rows,pair_codes,rotated,codes,rotated_codes] [--seeds 0,1] [--lists 64,256] [--metric cosine]
+        [--variants rows,pair_codes,rotated,codes,rotated_codes] [--seeds 0,1] [--lists 64,256] [--metric cosine] \
+        [--search-batches 100,1000,10000 --search-lists 32,64 --trials 4]
 
 Variants: ``rows`` (the build on the rows, ``pair_codes=False``, with the rows' default
 ``delta``), ``pair_codes`` (``BuildParams.pair_codes``: the update rounds' pair distances from the
-codes, by the kernels, with the codes' default ``delta``; the default build on a GPU),
+codes, by the kernels, with the codes' default ``delta``),
 ``pair_codes_rows_delta`` (the same at the rows' ``delta``), and three emulations, each a build on
 other rows with ``pair_codes=False``: ``rotated`` (the rows turned by one random orthogonal
 matrix: the same distances up to float16 rounding, a control for the build's run-to-run spread),
 ``codes`` (the rows replaced by their codes decoded, ``codes.pair_codes``: every distance of the
 build from the codes, up to float16 rounding) and ``rotated_codes`` (the rotation, then the codes:
 it evens out the dimensions' spreads, which one step for all of them needs). ``--seeds``: builds
-of each variant with these build seeds, for the spread. One GPU.
+of each variant with these build seeds, for the spread. ``--search-batches``: then the time a
+search call takes on each of those graphs, batch by batch (``search_times``): what a graph built
+otherwise costs the searches, with the spread of graphs built alike beside it. One GPU.
 """
 import argparse
+import statistics
 import time
 
 import torch
 
 import torch_grnnd as grnnd
+from benchmarks.common import synchronise
 from benchmarks.datasets import load_data, make_rare_queries, make_set, parse_sets
 from torch_grnnd.codes import pair_codes
 from torch_grnnd.params import ROWS_DELTA
@@ -67,30 +72,38 @@ def main():
     p.add_argument("--lists", default="64,256")
     p.add_argument("--metric", default="l2", choices=["l2", "cosine"],
                    help="the builds' and searches' metric (the emulations are of l2 codes: rows and pair_codes only)")
+    p.add_argument("--search-batches", default="",
+                   help="also time back-to-back searches in batches of these sizes (e.g. 100,1000,10000) on every "
+                        "graph the variants and seeds built, the graphs alternating (search_times)")
+    p.add_argument("--search-lists", default="32,64", help="list sizes of --search-batches")
+    p.add_argument("--trials", type=int, default=4, help="rounds over the graphs of --search-batches")
+    p.add_argument("--device", default="cuda", help="cuda; cpu only to check the script on small sets")
     args = p.parse_args()
     if args.metric != "l2" and set(args.variants.split(",")) - {"rows", "pair_codes", "pair_codes_rows_delta"}:
         p.error("--metric cosine takes the variants rows, pair_codes and pair_codes_rows_delta only")
-    metric = args.metric
+    metric, device = args.metric, torch.device(args.device)
     lists = [int(v) for v in args.lists.split(",")]
+    batches = [int(v) for v in args.search_batches.split(",") if v]
     for spec in args.sets.split(","):
         if spec.endswith(".pt"):  # saved embeddings (datasets.load_data): their own queries
-            name, x, q, _ = load_data(spec, "cuda")
+            name, x, q, _ = load_data(spec, args.device)
             queries = {"queries": q.to(x.dtype)}
         else:
             (family, n, d), = parse_sets(spec)
-            name, (x, q_in) = f"{family} {n}x{d}", make_set(family, n, d)
-            queries = {"in": q_in, "rare": make_rare_queries(family, n, d)[0]}
+            name, (x, q_in) = f"{family} {n}x{d}", make_set(family, n, d, device=args.device)
+            queries = {"in": q_in, "rare": make_rare_queries(family, n, d, device=args.device)[0]}
         truth = {key: grnnd.knn(x, q, 10, metric=metric)[1] for key, q in queries.items()}
         for codes in (True, False):  # warm-up: kernels loaded before the first timed build
             grnnd.build(x[:100_000], pair_codes=codes, metric=metric)
+        graphs = {}
         for variant in args.variants.split(","):
             make_rows, settings = VARIANTS[variant]
             rows = make_rows(x)
             for seed in (int(v) for v in args.seeds.split(",")):
-                torch.cuda.synchronize()
+                synchronise(device)
                 start = time.perf_counter()
                 graph = grnnd.build(rows, seed=seed, metric=metric, **settings)
-                torch.cuda.synchronize()
+                synchronise(device)
                 took = time.perf_counter() - start
                 found = []
                 for size in lists:
@@ -99,10 +112,51 @@ def main():
                         found.append(f"{key} {grnnd.recall(ids, truth[key], 10):.4f}")
                 print(f"{name} {variant}, seed {seed}: build {took:.2f} s; recall@10 at lists "
                       f"{'/'.join(map(str, lists))}: {', '.join(found)}", flush=True)
+                if batches:
+                    graphs[f"{variant} {seed}"] = graph
                 del graph
             del rows
-        del x, queries, truth
-        torch.cuda.empty_cache()
+        key = next(iter(queries))
+        for batch in batches:
+            for size in (int(v) for v in args.search_lists.split(",")):
+                times, found = search_times(x, graphs, queries[key], truth[key], batch, size, args.trials, metric, device)
+                print(f"{name} search, {key} queries, batch {batch}, list {size}, ms a call (median of the trials, "
+                      "their range) and recall@10: " + "; ".join(
+                          f"{label} {statistics.median(times[label]):.3f} [{min(times[label]):.3f}-"
+                          f"{max(times[label]):.3f}] {found[label]:.4f}" for label in graphs), flush=True)
+        del x, queries, truth, graphs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def search_times(x, graphs: dict, queries, truth, batch: int, size: int, trials: int, metric: str, device):
+    """Latency as a caller sees it, per graph: back-to-back calls of ``batch`` queries (consecutive
+    slices of at least 1 000, the queries repeated where there are fewer), synchronised, the
+    median of five timings a trial; the graphs take turns in each trial, so that a slow spell of
+    the machine falls on all of them. ({label: [ms a call, one a trial]}, {label: recall@10})."""
+    total = max(1_000, batch)
+    repeats = -(-total // queries.shape[0])
+    queries, truth = queries.repeat(repeats, 1)[:total], truth.repeat(repeats, 1)[:total]
+    slices = queries.split(batch)
+    calls = max(len(slices), 200_000 // max(batch, 1_000))  # about 200 calls of up to 1 000 queries
+    times = {label: [] for label in graphs}
+    found = {}
+    for _ in range(trials):
+        for label, graph in graphs.items():
+            def run(q):
+                return grnnd.search(x, graph, q, 10, list_size=size, metric=metric)[1]
+            ids = [run(q) for q in slices]  # warm-up, and the answers recall is measured on
+            found[label] = grnnd.recall(torch.cat(ids), truth, 10)
+            timings = []
+            for _ in range(5):
+                synchronise(device)
+                start = time.perf_counter()
+                for call in range(calls):
+                    run(slices[call % len(slices)])
+                synchronise(device)
+                timings.append((time.perf_counter() - start) / calls * 1000)
+            times[label].append(statistics.median(timings))
+    return times, found
 
 
 if __name__ == "__main__":
