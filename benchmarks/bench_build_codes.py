@@ -27,7 +27,7 @@ import time
 import torch
 
 import torch_grnnd as grnnd
-from benchmarks.common import synchronise
+from benchmarks.common import back_to_back_ms, synchronise
 from benchmarks.datasets import load_data, make_rare_queries, make_set, parse_sets
 from torch_grnnd.codes import pair_codes
 from torch_grnnd.params import ROWS_DELTA
@@ -131,8 +131,8 @@ def main():
 
 def search_times(x, graphs: dict, queries, truth, batch: int, size: int, trials: int, metric: str, device):
     """Latency as a caller sees it, per graph: back-to-back calls of ``batch`` queries (consecutive
-    slices of at least 1 000, the queries repeated where there are fewer), synchronised, the
-    median of five timings a trial; the graphs take turns in each trial, so that a slow spell of
+    slices of at least 1 000, the queries repeated where there are fewer; common.back_to_back_ms)
+    a trial; the graphs take turns in each trial, so that a slow spell of
     the machine falls on all of them. ({label: [ms a call, one a trial]}, {label: recall@10})."""
     total = max(1_000, batch)
     repeats = -(-total // queries.shape[0])
@@ -147,15 +147,7 @@ def search_times(x, graphs: dict, queries, truth, batch: int, size: int, trials:
                 return grnnd.search(x, graph, q, 10, list_size=size, metric=metric)[1]
             ids = [run(q) for q in slices]  # warm-up, and the answers recall is measured on
             found[label] = grnnd.recall(torch.cat(ids), truth, 10)
-            timings = []
-            for _ in range(5):
-                synchronise(device)
-                start = time.perf_counter()
-                for call in range(calls):
-                    run(slices[call % len(slices)])
-                synchronise(device)
-                timings.append((time.perf_counter() - start) / calls * 1000)
-            times[label].append(statistics.median(timings))
+            times[label].append(back_to_back_ms(run, slices, calls, device))
     return times, found
 
 

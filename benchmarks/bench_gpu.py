@@ -35,14 +35,12 @@ Writes gpu_<data>.{json,md,png} under --out.
 """
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 
 import torch_grnnd as grnnd
-from benchmarks.common import brute_force, cuda_time, exact_knn_graph, parse_settings
+from benchmarks.common import back_to_back_ms, brute_force, cuda_time, exact_knn_graph, parse_settings
 from benchmarks.datasets import load_data
 from benchmarks.report import latest_result, machine, regression_table, regressions, write
 
@@ -133,19 +131,8 @@ def small_batches(base, graph, queries, gt, lists, searches, batches=(1, 10, 100
             for split in searches:
                 run = lambda q: grnnd.search(base, graph, q, 10, list_size=lst, searches=split,  # noqa: E731
                                              codes=codes)
-                run(slices[0])
-                torch.cuda.synchronize()
-                rounds = max(1, 200 // len(slices))
-                # The median of five timings: one timing of a batch of 1 000 swung by +-20% between
-                # runs of the same code (the --compare check flagged bit-identical searches).
-                timings = []
-                for _ in range(5):
-                    start = time.perf_counter()
-                    for _ in range(rounds):
-                        ids = [run(q)[1] for q in slices]
-                    torch.cuda.synchronize()
-                    timings.append((time.perf_counter() - start) / (rounds * len(slices)) * 1000)
-                ms = statistics.median(timings)
+                ids = [run(q)[1] for q in slices]  # warm-up, and the answers recall is measured on
+                ms = back_to_back_ms(run, slices, max(1, 200 // len(slices)) * len(slices), torch.device("cuda"))
                 counts = torch.cat([grnnd.search_distance_counts(base, graph, q, 10, list_size=lst, searches=split,
                                                                  codes=codes) for q in slices])
                 rows.append([code_label(codes) if codes is not None else "none", batch, lst, split or "auto", ms,

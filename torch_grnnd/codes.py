@@ -90,8 +90,7 @@ def pair_codes(rows: Tensor, metric: str = "l2") -> Tuple[Tensor, float]:
     n, dim = rows.shape
 
     def chunk(start: int) -> Tensor:
-        part = rows[start:start + _CHUNK_ROWS].float()
-        return part / part.norm(dim=1, keepdim=True).clamp_min(1e-30) if metric == "cosine" else part
+        return _prepared(rows[start:start + _CHUNK_ROWS], metric, rows.device)
 
     lo = torch.full((dim,), math.inf, device=rows.device)
     hi = torch.full((dim,), -math.inf, device=rows.device)
