@@ -17,7 +17,8 @@ matrix: the same distances up to float16 rounding, a control for the build's run
 build from the codes, up to float16 rounding) and ``rotated_codes`` (the rotation, then the codes:
 it evens out the dimensions' spreads, which one step for all of them needs). ``--seeds``: builds
 of each variant with these build seeds, for the spread. ``--search-batches``: then the time a
-search call takes on each of those graphs, batch by batch (``search_times``): what a graph built
+search call takes on each of those graphs, batch by batch (``search_times``), and the distances a
+query computes there (the mean, and the most a query of a call computes): what a graph built
 otherwise costs the searches, with the spread of graphs built alike beside it. One GPU.
 """
 import argparse
@@ -119,11 +120,13 @@ def main():
         key = next(iter(queries))
         for batch in batches:
             for size in (int(v) for v in args.search_lists.split(",")):
-                times, found = search_times(x, graphs, queries[key], truth[key], batch, size, args.trials, metric, device)
+                times, found, distances = search_times(x, graphs, queries[key], truth[key], batch, size, args.trials,
+                                                       metric, device)
                 print(f"{name} search, {key} queries, batch {batch}, list {size}, ms a call (median of the trials, "
-                      "their range) and recall@10: " + "; ".join(
+                      "their range), recall@10, distances a query (mean / the most in a call): " + "; ".join(
                           f"{label} {statistics.median(times[label]):.3f} [{min(times[label]):.3f}-"
-                          f"{max(times[label]):.3f}] {found[label]:.4f}" for label in graphs), flush=True)
+                          f"{max(times[label]):.3f}] {found[label]:.4f} {distances[label][0]:.0f} / "
+                          f"{distances[label][1]:.0f}" for label in graphs), flush=True)
         del x, queries, truth, graphs
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -133,14 +136,16 @@ def search_times(x, graphs: dict, queries, truth, batch: int, size: int, trials:
     """Latency as a caller sees it, per graph: back-to-back calls of ``batch`` queries (consecutive
     slices of at least 1 000, the queries repeated where there are fewer; common.back_to_back_ms)
     a trial; the graphs take turns in each trial, so that a slow spell of
-    the machine falls on all of them. ({label: [ms a call, one a trial]}, {label: recall@10})."""
+    the machine falls on all of them. ({label: [ms a call, one a trial]}, {label: recall@10},
+    {label: (distances a query, the most a query of a call computes, averaged over the calls)}):
+    a call of a batch that runs in one wave lasts as long as its longest walks."""
     total = max(1_000, batch)
     repeats = -(-total // queries.shape[0])
     queries, truth = queries.repeat(repeats, 1)[:total], truth.repeat(repeats, 1)[:total]
     slices = queries.split(batch)
     calls = max(len(slices), 200_000 // max(batch, 1_000))  # about 200 calls of up to 1 000 queries
     times = {label: [] for label in graphs}
-    found = {}
+    found, distances = {}, {}
     for _ in range(trials):
         for label, graph in graphs.items():
             def run(q):
@@ -148,7 +153,10 @@ def search_times(x, graphs: dict, queries, truth, batch: int, size: int, trials:
             ids = [run(q) for q in slices]  # warm-up, and the answers recall is measured on
             found[label] = grnnd.recall(torch.cat(ids), truth, 10)
             times[label].append(back_to_back_ms(run, slices, calls, device))
-    return times, found
+    for label, graph in graphs.items():
+        counts = [grnnd.search_distance_counts(x, graph, q, 10, list_size=size, metric=metric).float() for q in slices]
+        distances[label] = (float(torch.cat(counts).mean()), statistics.fmean(float(c.max()) for c in counts))
+    return times, found, distances
 
 
 if __name__ == "__main__":
