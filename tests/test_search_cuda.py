@@ -1,4 +1,5 @@
-"""The CUDA search kernel (csrc/cuda/search_cuda.cu) against exact results and its CPU twin.
+"""The CUDA search (csrc/cuda/search_cuda.cu, its kernels in search_walk_cuda.cuh) against exact results and
+its CPU twin.
 
 The graphs are built on the CPU, so these tests measure the search alone. The CUDA kernel walks
 the same graph from the same random entry points as the CPU kernel; only float summation order
