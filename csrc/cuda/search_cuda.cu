@@ -22,6 +22,10 @@
 // its own entry points and a shorter list (params.h, list_per_search); a second kernel merges
 // their results. Unlike CAGRA's multi-CTA mode the blocks share no visited set, so they repeat
 // some distances, but a query's result depends only on its inputs, never on timing.
+//
+// This file plans a call (searches, lists, loop, threads, shared memory), checks the queries,
+// rotates them for int4 codes and merges split searches; the walk's kernels are in
+// search_walk_cuda.cuh, compiled in units of their own.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
