@@ -1,6 +1,7 @@
 """Shared by the tests: the devices an op's tests run on, clustered synthetic vectors and
 faiss-cpu exact neighbours."""
 import contextlib
+import os
 
 import faiss
 import numpy as np
@@ -11,6 +12,22 @@ import torch
 # a GPU (so `pytest -m cuda` selects every CUDA test, and a CPU run lists them as skipped).
 needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+
+
+def pytest_collection_modifyitems(config, items):
+    """GRNND_TEST_PART=K/N keeps every N-th test from the K-th (1 <= K <= N): N runs, one a part,
+    run the suite once, for a machine that lends GPU time a call shorter than the whole suite.
+    Every worker of pytest-xdist collects the same tests in the same order, so it keeps the same."""
+    part = os.environ.get("GRNND_TEST_PART")
+    if not part:
+        return
+    k, _, n = part.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise pytest.UsageError(f"GRNND_TEST_PART: expected K/N with 1 <= K <= N, got {part!r}")
+    k, n = int(k), int(n)
+    kept = [item for i, item in enumerate(items) if i % n == k - 1]
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k - 1])
+    items[:] = kept
 
 
 def clustered(n: int, dim: int, clusters: int, seed: int = 0, spread: float = 3.0, noise: float = 1.0) -> torch.Tensor:
