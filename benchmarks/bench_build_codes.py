@@ -19,7 +19,9 @@ it evens out the dimensions' spreads, which one step for all of them needs). ``-
 of each variant with these build seeds, for the spread. ``--search-batches``: then the time a
 search call takes on each of those graphs, batch by batch (``search_times``), and the distances a
 query computes there (the mean, and the most a query of a call computes): what a graph built
-otherwise costs the searches, with the spread of graphs built alike beside it. One GPU.
+otherwise costs the searches, with the spread of graphs built alike beside it; with two graphs or
+more, each graph's time a call at the recalls the first one reached, and each variant's against
+the first variant's (``at_equal_recall``). One GPU.
 """
 import argparse
 import statistics
@@ -30,6 +32,7 @@ import torch
 import torch_grnnd as grnnd
 from benchmarks.common import back_to_back_ms, synchronise
 from benchmarks.datasets import load_data, make_rare_queries, make_set, parse_sets
+from benchmarks.report import qps_at_recall
 from torch_grnnd.codes import pair_codes
 from torch_grnnd.params import ROWS_DELTA
 
@@ -119,17 +122,43 @@ def main():
             del rows
         key = next(iter(queries))
         for batch in batches:
+            curves = {label: [] for label in graphs}  # {label: [{"recall", "qps": calls a second}]}
             for size in (int(v) for v in args.search_lists.split(",")):
                 times, found, distances = search_times(x, graphs, queries[key], truth[key], batch, size, args.trials,
                                                        metric, device)
+                for label in graphs:
+                    curves[label].append({"recall": found[label], "qps": 1e3 / statistics.median(times[label])})
                 print(f"{name} search, {key} queries, batch {batch}, list {size}, ms a call (median of the trials, "
                       "their range), recall@10, distances a query (mean / the most in a call): " + "; ".join(
                           f"{label} {statistics.median(times[label]):.3f} [{min(times[label]):.3f}-"
                           f"{max(times[label]):.3f}] {found[label]:.4f} {distances[label][0]:.0f} / "
                           f"{distances[label][1]:.0f}" for label in graphs), flush=True)
+            if len(graphs) > 1:
+                print(at_equal_recall(f"{name} search, {key} queries, batch {batch}", curves), flush=True)
         del x, queries, truth, graphs
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def at_equal_recall(what: str, curves: dict) -> str:
+    """Each graph's time a call at the recalls the first graph reached at the searched lists
+    (report.qps_at_recall on calls a second: log-linear between a graph's two bracketing lists, or
+    a faster list of higher recall), and each variant's mean over its seeds against the first
+    variant's: graphs of unequal recall compared at equal recall, as bench_gpu --compare does."""
+    labels = list(curves)
+    targets = [point["recall"] for point in curves[labels[0]]]
+    ms = {label: [1e3 / qps_at_recall(curves[label], target) for target in targets] for label in labels}
+    variants = {}
+    for label in labels:
+        variants.setdefault(label.rsplit(" ", 1)[0], []).append(ms[label])
+    first = next(iter(variants))
+    def mean_ms(variant):
+        return [statistics.fmean(graph[i] for graph in variants[variant]) for i in range(len(targets))]
+    ratios = {variant: [a / b for a, b in zip(mean_ms(variant), mean_ms(first))] for variant in variants}
+    return (f"{what}, ms a call at the recalls {labels[0]} reached ({', '.join(f'{t:.4f}' for t in targets)}; nan: "
+            "not reached): " + "; ".join(f"{label} " + "/".join(f"{v:.3f}" for v in ms[label]) for label in labels)
+            + f"; each variant's mean over its seeds against {first}'s: " + "; ".join(
+                f"{variant} " + "/".join(f"{r:.3f}x" if r == r else "nan" for r in ratios[variant]) for variant in variants))
 
 
 def search_times(x, graphs: dict, queries, truth, batch: int, size: int, trials: int, metric: str, device):
