@@ -217,15 +217,10 @@ def out_of_core(g: torch.Generator):
         grnnd.search(more, more_graph, q, 5, list_size=64, metric="l2")
 
 
-def codes(g: torch.Generator):
-    """Searches by 8-bit and 4-bit codes with the exact re-rank: each storage type and metric,
-    dimensions that are and are not multiples of 16 (32), each loop, a filter, split searches,
-    pinned host rows, the query rotation of int4 for batches below and above 64 queries, int4
-    about one cell and about more cells than dimensions. Small enough for racecheck."""
-    for dtype, metric, dim, kind in [(torch.float32, "l2", 48, "int8"), (torch.float16, "cosine", 40, "int8"),
-                                     (torch.bfloat16, "ip", 1100, "int8"), (torch.float32, "l2", 40, "int4"),
-                                     (torch.float16, "cosine", 300, "int4"), (torch.bfloat16, "ip", 70, "int4"),
-                                     (torch.float32, "l2", 40, "int4@1"), (torch.float16, "ip", 24, "int4@200")]:
+def _search_by_codes(g: torch.Generator, settings):
+    """Searches by codes with the exact re-rank, one (dtype, metric, dim, kind) of ``settings`` at a
+    time: each loop, a filter, split searches, pinned host rows."""
+    for dtype, metric, dim, kind in settings:
         data = torch.randn(2000, dim, generator=g, device="cuda").to(dtype)
         graph = grnnd.build(data, metric=metric, outer_iters=1, inner_iters=1)
         kind, _, cells = kind.partition("@")  # int4 about the default cells (45 here), or as many as given
@@ -244,6 +239,27 @@ def codes(g: torch.Generator):
         grnnd.search(data, graph, data[:2], 10, list_size=256, metric=metric, filter=allowed, codes=coded, searches=1)
         grnnd.search(data, graph, data[:1], 10, list_size=64, searches=8, metric=metric, codes=coded)
         grnnd.search(data.cpu().pin_memory(), graph, data[:3], 10, list_size=48, metric=metric, codes=coded)
+
+
+# The searches by codes in three parts, each short enough for one racecheck run (the three as one
+# part ran past 150 s under racecheck on an H200 without a verdict).
+def codes_int8(g: torch.Generator):
+    """Searches by 8-bit codes: each storage type and metric, dimensions that are and are not
+    multiples of 16."""
+    _search_by_codes(g, [(torch.float32, "l2", 48, "int8"), (torch.float16, "cosine", 40, "int8"),
+                         (torch.bfloat16, "ip", 1100, "int8")])
+
+
+def codes_int4(g: torch.Generator):
+    """Searches by 4-bit codes about the default cells: each storage type and metric, dimensions
+    that are and are not multiples of 32, the query rotation for batches below and above 64."""
+    _search_by_codes(g, [(torch.float32, "l2", 40, "int4"), (torch.float16, "cosine", 300, "int4"),
+                         (torch.bfloat16, "ip", 70, "int4")])
+
+
+def codes_int4_cells(g: torch.Generator):
+    """Searches by 4-bit codes about one cell and about more cells than dimensions."""
+    _search_by_codes(g, [(torch.float32, "l2", 40, "int4@1"), (torch.float16, "ip", 24, "int4@200")])
 
 
 def small_batches(g: torch.Generator):
@@ -267,7 +283,8 @@ def small_batches(g: torch.Generator):
             grnnd.search_distance_counts(data, graph, data[:2], 10, list_size=16, codes=coded)
 
 
-PARTS = ("basics", "edge_sizes", "hubs_and_repair", "segments", "editing", "out_of_core", "codes", "small_batches")
+PARTS = ("basics", "edge_sizes", "hubs_and_repair", "segments", "editing", "out_of_core", "codes_int8", "codes_int4",
+         "codes_int4_cells", "small_batches")
 
 
 def main(parts=PARTS):
