@@ -154,11 +154,12 @@ def at_equal_recall(what: str, curves: dict) -> str:
     first = next(iter(variants))
     def mean_ms(variant):
         return [statistics.fmean(graph[i] for graph in variants[variant]) for i in range(len(targets))]
-    ratios = {variant: [a / b for a, b in zip(mean_ms(variant), mean_ms(first))] for variant in variants}
+    ratios = {variant: ["nan" if a != a or b != b else f"{a / b:.3f}x"
+                        for a, b in zip(mean_ms(variant), mean_ms(first))] for variant in variants}
     return (f"{what}, ms a call at the recalls {labels[0]} reached ({', '.join(f'{t:.4f}' for t in targets)}; nan: "
             "not reached): " + "; ".join(f"{label} " + "/".join(f"{v:.3f}" for v in ms[label]) for label in labels)
             + f"; each variant's mean over its seeds against {first}'s: " + "; ".join(
-                f"{variant} " + "/".join(f"{r:.3f}x" if r == r else "nan" for r in ratios[variant]) for variant in variants))
+                f"{variant} " + "/".join(ratios[variant]) for variant in variants))
 
 
 def search_times(x, graphs: dict, queries, truth, batch: int, size: int, trials: int, metric: str, device):
