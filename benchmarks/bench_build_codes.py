@@ -7,7 +7,8 @@ benchmarks/datasets.py's families).
         [--variants rows,pair_codes,rotated,codes,rotated_codes] [--seeds 0,1] [--lists 64,256] [--metric cosine] \
         [--search-batches 100,1000,10000 --search-lists 32,64 --trials 4]
 
-Variants: ``rows`` (the build on the rows, ``pair_codes=False``, with the rows' default
+Variants: ``default`` (the build as ``BuildParams()`` has it: pair codes from
+``PAIR_CODES_MIN_DIM`` dimensions on where they fit), ``rows`` (the build on the rows, ``pair_codes=False``, with the rows' default
 ``delta``), ``pair_codes`` (``BuildParams.pair_codes``: the update rounds' pair distances from the
 codes, by the kernels, with the codes' default ``delta``),
 ``pair_codes_rows_delta`` (the same at the rows' ``delta``), and three emulations, each a build on
@@ -62,7 +63,8 @@ def decoded_codes(x: torch.Tensor) -> torch.Tensor:
 
 # variant -> (the rows a build runs on, its settings)
 ON_ROWS = {"pair_codes": False}
-VARIANTS = {"rows": (lambda x: x, ON_ROWS), "pair_codes": (lambda x: x, {"pair_codes": True}),
+VARIANTS = {"default": (lambda x: x, {}), "rows": (lambda x: x, ON_ROWS),
+            "pair_codes": (lambda x: x, {"pair_codes": True}),
             "pair_codes_rows_delta": (lambda x: x, {"pair_codes": True, "delta": ROWS_DELTA}),
             "rotated": (rotated, ON_ROWS), "codes": (decoded_codes, ON_ROWS),
             "rotated_codes": (lambda x: decoded_codes(rotated(x)), ON_ROWS)}
@@ -83,8 +85,9 @@ def main():
     p.add_argument("--trials", type=int, default=4, help="rounds over the graphs of --search-batches")
     p.add_argument("--device", default="cuda", help="cuda; cpu only to check the script on small sets")
     args = p.parse_args()
-    if args.metric != "l2" and set(args.variants.split(",")) - {"rows", "pair_codes", "pair_codes_rows_delta"}:
-        p.error("--metric cosine takes the variants rows, pair_codes and pair_codes_rows_delta only")
+    if args.metric != "l2" and set(args.variants.split(",")) - {"default", "rows", "pair_codes",
+                                                                   "pair_codes_rows_delta"}:
+        p.error("--metric cosine takes the variants default, rows, pair_codes and pair_codes_rows_delta only")
     metric, device = args.metric, torch.device(args.device)
     lists = [int(v) for v in args.lists.split(",")]
     batches = [int(v) for v in args.search_batches.split(",") if v]

@@ -6,7 +6,8 @@ import torch
 import torch_grnnd as grnnd
 from conftest import clustered, exact_neighbours, one_thread
 from torch_grnnd.codes import pair_codes
-from torch_grnnd.params import CODES_DELTA, ROWS_DELTA
+from torch_grnnd import out_of_core
+from torch_grnnd.params import CODES_DELTA, PAIR_CODES_MIN_DIM, ROWS_DELTA
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -75,7 +76,7 @@ def test_pair_codes_are_checked():
     x = clustered(500, 16, 5, seed=6)
     with pytest.raises(ValueError, match="l2 and cosine"):
         grnnd.build(x, metric="ip", pair_codes=True)
-    with pytest.raises(TypeError, match="True or False"):
+    with pytest.raises(TypeError, match="True, False or None"):
         grnnd.build(x, pair_codes="False")
     codes, scale = pair_codes(x)
     op = torch.ops.grnnd.build.default
@@ -109,3 +110,47 @@ def test_a_build_on_codes_converges_at_half_the_rows_delta():
     assert CODES_DELTA == ROWS_DELTA / 2
     assert default[0] == halved[0] > at_rows_delta[0] and torch.equal(default[1], halved[1])
     assert rows[0] == rows_at_their_delta[0] and torch.equal(rows[1], rows_at_their_delta[1])
+
+
+@pytest.mark.parametrize("dim, metric, on_codes", [(PAIR_CODES_MIN_DIM, "l2", True), (PAIR_CODES_MIN_DIM, "cosine", True),
+                                                   (PAIR_CODES_MIN_DIM, "ip", False),
+                                                   (PAIR_CODES_MIN_DIM - 16, "l2", False)])
+def test_the_default_builds_wide_rows_on_codes(dim, metric, on_codes):
+    # BuildParams.pair_codes=None: the codes from PAIR_CODES_MIN_DIM dimensions on, under the
+    # metrics they measure. On one thread a graph depends on its seed and its distances alone, so
+    # the default's graph is the one of the setting it chose, and not the other's.
+    x = clustered(1_200, dim, 12, seed=8)
+    with one_thread():
+        default = grnnd.build(x, degree=16, seed=5, metric=metric)
+        chosen = grnnd.build(x, degree=16, seed=5, metric=metric, pair_codes=on_codes)
+        other = grnnd.build(x, degree=16, seed=5, metric=metric, pair_codes=not on_codes) if metric != "ip" else None
+    assert grnnd.BuildParams().pair_codes is None
+    assert torch.equal(default, chosen)
+    if other is not None:
+        assert not torch.equal(default, other)
+
+
+def test_a_budget_keeps_the_rows_unless_asked():
+    # Builds within a memory budget (max_gpu_memory, SwappingIndex) plan their shards without the
+    # codes, so the default must not add them there.
+    assert out_of_core.within_budget(grnnd.BuildParams()).pair_codes is False
+    assert out_of_core.within_budget(grnnd.BuildParams(pair_codes=True)).pair_codes is True
+    dim = PAIR_CODES_MIN_DIM
+    default = out_of_core.bytes_per_row(dim, 2, out_of_core.within_budget(grnnd.BuildParams()))
+    assert default == out_of_core.bytes_per_row(dim, 2, grnnd.BuildParams(pair_codes=False))
+    assert out_of_core.bytes_per_row(dim, 2, grnnd.BuildParams(pair_codes=True)) == default + dim
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the free-memory rule is the GPU's")
+def test_the_default_keeps_the_rows_where_the_gpu_cannot_hold_the_codes(monkeypatch):
+    from torch_grnnd.ops import _builds_on_pair_codes
+
+    x = torch.randn(4_000, PAIR_CODES_MIN_DIM, device="cuda", dtype=torch.float16)
+    params = grnnd.BuildParams()
+    per_row = out_of_core.bytes_per_row(x.shape[1], 2, params.replace(pair_codes=True)) - x.shape[1] * 2
+    assert _builds_on_pair_codes(params, x, "l2")
+    monkeypatch.setattr(out_of_core, "free_bytes", lambda device: x.shape[0] * per_row - 1)
+    assert not _builds_on_pair_codes(params, x, "l2")
+    assert _builds_on_pair_codes(params.replace(pair_codes=True), x, "l2")  # asked for: no rule
+    graph = grnnd.build(x)  # on the rows
+    assert graph.shape == (4_000, params.degree) and int(graph.min()) >= 0

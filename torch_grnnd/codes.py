@@ -74,6 +74,9 @@ def code_dims(dim: int, kind: str = "int8") -> int:
     return (dim + 15) // 16 * 16 if kind == "int8" else (dim + 31) // 32 * 32
 
 
+PAIR_CODE_METRICS = ("l2", "cosine")  # the metrics a build's pair codes measure
+
+
 def pair_codes(rows: Tensor, metric: str = "l2") -> Tuple[Tensor, float]:
     """One-byte codes of ``rows`` [N, D] for a build's pair distances (``BuildParams.pair_codes``):
     uint8 [N, stride] on the rows' device, stride D rounded up to a multiple of 16 (zeros past
@@ -85,7 +88,7 @@ def pair_codes(rows: Tensor, metric: str = "l2") -> Tuple[Tensor, float]:
     direction, stays zero, half a unit from every unit row instead of 1). One step keeps that sum
     four dimensions an instruction pair on the GPU; a dimension of a small range then gets few
     levels, which costs little where the dimensions' spreads are alike."""
-    if metric not in ("l2", "cosine"):
+    if metric not in PAIR_CODE_METRICS:
         raise ValueError(f"pair_codes: codes measure l2 and cosine distances, not {metric!r}")
     n, dim = rows.shape
 

@@ -11,8 +11,8 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .codes import Codes, pair_codes
-from .params import CODES_DELTA, ROWS_DELTA, BuildParams, SearchParams
+from .codes import PAIR_CODE_METRICS, Codes, code_dims, pair_codes
+from .params import CODES_DELTA, PAIR_CODES_MIN_DIM, ROWS_DELTA, BuildParams, SearchParams
 from .progress import Progress, run_reporting
 
 logger = logging.getLogger(__name__)  # under "torch_grnnd"
@@ -25,11 +25,8 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
     """The build op on ``data``'s device: :func:`torch_grnnd.build` without its ``device`` and
     ``max_gpu_memory`` (the builds in shards of :mod:`torch_grnnd.out_of_core` call this)."""
     p = BuildParams.merge(params, **settings)
-    if not isinstance(p.pair_codes, bool):
-        raise TypeError(f"pair_codes: expected True or False, got {p.pair_codes!r}")
     code_rows, code_scale = None, 0.0
-    # pair_codes checks the metric; rows the codes cannot be made of are the op's to refuse
-    if p.pair_codes and isinstance(data, Tensor) and data.dim() == 2 and data.is_floating_point():
+    if _builds_on_pair_codes(p, data, metric):
         code_rows, code_scale = pair_codes(data, metric)
     delta = p.delta if p.delta is not None else (CODES_DELTA if code_rows is not None else ROWS_DELTA)
 
@@ -43,6 +40,31 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
     if not torch.compiler.is_compiling():  # a compiled graph cannot hold a host-side log call
         logger.debug("build: %s %s on %s, metric=%s, %s", tuple(data.shape), data.dtype, data.device, metric, p)
     return run_reporting(progress, "build", run)
+
+
+def _builds_on_pair_codes(p: BuildParams, data: Tensor, metric: Metric) -> bool:
+    """``p.pair_codes``, or where it is None (the default) whether the codes pay for this build:
+    floating rows of at least ``PAIR_CODES_MIN_DIM`` dimensions under a metric the codes serve,
+    and on a GPU, free memory for the codes and the pools (``BuildParams.pair_codes``)."""
+    if p.pair_codes is not None and not isinstance(p.pair_codes, bool):
+        raise TypeError(f"pair_codes: expected True, False or None, got {p.pair_codes!r}")
+    codable = isinstance(data, Tensor) and data.dim() == 2 and data.is_floating_point()
+    if p.pair_codes is not None or not codable:
+        # pair_codes checks the metric; rows the codes cannot be made of are the op's to refuse
+        return bool(p.pair_codes) and codable
+    if data.shape[1] < PAIR_CODES_MIN_DIM or metric not in PAIR_CODE_METRICS:
+        return False
+    if data.is_cuda and not torch.compiler.is_compiling():  # a compiled graph cannot ask the allocator
+        from .out_of_core import bytes_per_row, free_bytes  # out_of_core builds through this module
+
+        n, dim = data.shape
+        needed = n * (bytes_per_row(dim, data.element_size(), p.replace(pair_codes=True)) - dim * data.element_size())
+        free = free_bytes(data.device)
+        if needed > free:
+            logger.info("build: %d x %d rows compared on the rows, not pair codes: the build with codes needs "
+                        "%.1f GiB, %.1f GiB free", n, dim, needed / 2**30, free / 2**30)
+            return False
+    return True
 
 
 def _search_arguments(params: Optional[SearchParams], k: Optional[int], settings: dict, codes: Optional[Codes],

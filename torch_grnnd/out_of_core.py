@@ -111,6 +111,12 @@ def bytes_per_row(dim: int, element_size: int, p: BuildParams) -> int:
     return 2 * dim * max(element_size, 2) + 2 * p.pool_size * 8 + 16 + 12 + 2 * p.degree * 4 + codes
 
 
+def within_budget(p: BuildParams) -> BuildParams:
+    """``p`` for a build within a memory budget: the rows, not pair codes, unless ``pair_codes``
+    asks for them (the codes' bytes would take rows from every shard)."""
+    return p.replace(pair_codes=bool(p.pair_codes))
+
+
 def join_capacity(budget: int, n: int, dim: int, element_size: int, p: BuildParams, rows_per_shard: int) -> int:
     """Rows a join chunk may read within ``budget``: the rows alone, once the largest chunk's
     candidates and the mark per row are set aside; at least what a shard holds. Joins read the
@@ -308,6 +314,7 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     budget = parse_bytes(max_memory) if max_memory is not None else free_bytes(device)
+    params = within_budget(params)
     n, dim = data.shape
     rows_per_shard = budget // bytes_per_row(dim, data.element_size(), params)
     if rows_per_shard < 2 * params.pool_size:

@@ -78,6 +78,10 @@ _MERGED_MAX = 256
 # one-byte codes").
 ROWS_DELTA: float = _default(_build, "delta")
 CODES_DELTA = ROWS_DELTA / 2
+# The narrowest rows a default build (BuildParams.pair_codes=None) makes pair codes of: where the
+# codes' graphs searched as fast as the rows' at equal recall and built twice as fast (1 024-d on an
+# H200); at 384 dimensions they built 1.2x faster but small batches searched them up to 15% slower.
+PAIR_CODES_MIN_DIM = 1024
 
 
 @dataclass(frozen=True)
@@ -122,14 +126,19 @@ class BuildParams(_Settings):
             instead of the rows: half the bytes of float16 rows, read four dimensions an
             instruction pair on the GPU. The start, the fill, the repair and the search read the
             rows as before. The rounds cost so much less that the default ``delta`` is halved for
-            them (``CODES_DELTA``), and so on an H200 builds of 1 024-d float16 clustered rows ran
-            1.8-2.3x faster than the default build (10M x 1024 Zipf/anisotropic clusters: 7.2 s
-            against 12.7 s), 384-d rows 1.16-1.5x (real sentence embeddings: 0.37 s against
-            0.43 s), 128-d rows no faster, with recall@10 as good or better on every family measured (at the
-            rows' delta the codes lost up to 0.01 at list 64 on clusters of about 20 rows;
-            benchmarks/README.md, "Building on one-byte codes"). Off by default: small batches
-            (100 to 1 000 queries, list 32) searched the codes' graphs of real embeddings 2-15%
-            slower, and the codes take N x D bytes of memory on the build's device while it runs.
+            them (``CODES_DELTA``). None (the default): the codes for floating rows of at least
+            ``PAIR_CODES_MIN_DIM`` (1 024) dimensions under l2 or cosine, on a GPU only where its
+            free memory holds the codes (N x D bytes) beside the pools, else the rows; a build
+            within a memory budget (``max_gpu_memory``, :class:`~torch_grnnd.SwappingIndex`) keeps
+            the rows unless asked, so that the codes take no rows from its shards. On an H200
+            builds of 1 024-d float16 clustered rows ran 1.8-2.3x faster on the codes (10M x 1024
+            Zipf/anisotropic clusters: 7.2 s against 12.7 s), 384-d rows 1.16-1.5x (real sentence
+            embeddings: 0.37 s against 0.43 s), 128-d rows no faster, with recall@10 as good or
+            better on every family measured. Searches of the codes' graphs of 1 024-d rows were as
+            fast as of the rows' at equal recall over four build seeds each, at batches of 100 to
+            10 000; at 384 dimensions small batches (100 to 1 000 queries, list 32) searched the
+            codes' graphs of real embeddings 2-15% slower, which is why narrower rows keep the
+            rows by default (benchmarks/README.md, "Building on one-byte codes").
     """
 
     degree: int = _default(_build, "degree")
@@ -142,7 +151,7 @@ class BuildParams(_Settings):
     seed: int = _default(_build, "seed")
     delta: Optional[float] = None
     start: str = _default(_build, "start")
-    pair_codes: bool = False
+    pair_codes: Optional[bool] = None
 
 
 # The longest candidate list a search keeps, and so the most neighbours it returns (kMaxListSize

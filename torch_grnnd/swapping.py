@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .out_of_core import bytes_per_row, free_bytes, parse_bytes
+from .out_of_core import bytes_per_row, free_bytes, parse_bytes, within_budget
 from .params import BuildParams, SearchParams
 from .progress import Progress, steps_reporter
 from .index import check_state
@@ -76,7 +76,7 @@ class SwappingIndex:
         ``max_gpu_memory`` (bytes or a size like ``"8GB"``; default: what is free on a GPU) for
         the larger of a shard's build and two shards' rows and graphs (one searched, one coming
         in). ``progress`` counts the rows built. The graphs stay in (pinned) host memory."""
-        params = BuildParams.merge(params, **settings)
+        params = within_budget(BuildParams.merge(params, **settings))
         device = torch.device(device)
         if data.device.type != "cpu":
             raise ValueError(f"data: expected rows in host memory, got rows on {data.device} (use Index there)")
