@@ -143,14 +143,14 @@ def test_a_budget_keeps_the_rows_unless_asked():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the free-memory rule is the GPU's")
 def test_the_default_keeps_the_rows_where_the_gpu_cannot_hold_the_codes(monkeypatch):
-    from torch_grnnd.ops import _builds_on_pair_codes
+    from torch_grnnd import ops
 
     x = torch.randn(4_000, PAIR_CODES_MIN_DIM, device="cuda", dtype=torch.float16)
     params = grnnd.BuildParams()
     per_row = out_of_core.bytes_per_row(x.shape[1], 2, params.replace(pair_codes=True)) - x.shape[1] * 2
-    assert _builds_on_pair_codes(params, x, "l2")
-    monkeypatch.setattr(out_of_core, "free_bytes", lambda device: x.shape[0] * per_row - 1)
-    assert not _builds_on_pair_codes(params, x, "l2")
-    assert _builds_on_pair_codes(params.replace(pair_codes=True), x, "l2")  # asked for: no rule
+    assert ops._builds_on_pair_codes(params, x, "l2")
+    monkeypatch.setattr(ops, "free_bytes", lambda device: x.shape[0] * per_row - 1)
+    assert not ops._builds_on_pair_codes(params, x, "l2")
+    assert ops._builds_on_pair_codes(params.replace(pair_codes=True), x, "l2")  # asked for: no rule
     graph = grnnd.build(x)  # on the rows
     assert graph.shape == (4_000, params.degree) and int(graph.min()) >= 0

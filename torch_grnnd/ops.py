@@ -11,7 +11,8 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .codes import PAIR_CODE_METRICS, Codes, code_dims, pair_codes
+from .codes import PAIR_CODE_METRICS, Codes, pair_codes
+from .memory import bytes_per_row, free_bytes
 from .params import CODES_DELTA, PAIR_CODES_MIN_DIM, ROWS_DELTA, BuildParams, SearchParams
 from .progress import Progress, run_reporting
 
@@ -55,8 +56,6 @@ def _builds_on_pair_codes(p: BuildParams, data: Tensor, metric: Metric) -> bool:
     if data.shape[1] < PAIR_CODES_MIN_DIM or metric not in PAIR_CODE_METRICS:
         return False
     if data.is_cuda and not torch.compiler.is_compiling():  # a compiled graph cannot ask the allocator
-        from .out_of_core import bytes_per_row, free_bytes  # out_of_core builds through this module
-
         n, dim = data.shape
         needed = n * (bytes_per_row(dim, data.element_size(), p.replace(pair_codes=True)) - dim * data.element_size())
         free = free_bytes(data.device)

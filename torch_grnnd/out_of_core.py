@@ -34,7 +34,6 @@ other: a graph of 100M rows is 19.2 GB of int32 at the default degree 48.
 import concurrent.futures
 import logging
 import math
-import re
 import time
 from typing import Any, Iterator, List, NamedTuple, Optional, Tuple, Union
 
@@ -42,7 +41,7 @@ import torch
 from torch import Tensor
 
 from . import editing, ops
-from .codes import code_dims
+from .memory import bytes_per_row, free_bytes, parse_bytes, within_budget  # noqa: F401 (this module's API too)
 from .params import BuildParams
 from .progress import Progress, steps_reporter
 
@@ -87,36 +86,6 @@ JOIN_BYTES_PER_CANDIDATE = 56
 # block while the previous one is copied to the device.
 STAGE_BLOCK_BYTES = 1 << 26
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: Union[int, float, str]) -> int:
-    """``8_000_000_000``, ``"8GB"``, ``"7.5 GiB"``, ``"512MiB"`` -> bytes."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value <= 0:
-            raise ValueError(f"max_gpu_memory: expected a positive size, got {value}")
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f"max_gpu_memory: expected bytes or a size like '8GB' or '512MiB', got {value!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def bytes_per_row(dim: int, element_size: int, p: BuildParams) -> int:
-    """Device bytes a build needs per row: the row (and a prepared copy for cosine or a wider
-    dtype), the pools, their counts and locks, the start's cells, the graph with its fill, and
-    with ``pair_codes`` the row's codes (one byte a dimension, in 16s)."""
-    codes = code_dims(dim) if p.pair_codes else 0
-    return 2 * dim * max(element_size, 2) + 2 * p.pool_size * 8 + 16 + 12 + 2 * p.degree * 4 + codes
-
-
-def within_budget(p: BuildParams) -> BuildParams:
-    """``p`` for a build within a memory budget: the rows, not pair codes, unless ``pair_codes``
-    asks for them (the codes' bytes would take rows from every shard)."""
-    return p.replace(pair_codes=bool(p.pair_codes))
-
-
 def join_capacity(budget: int, n: int, dim: int, element_size: int, p: BuildParams, rows_per_shard: int) -> int:
     """Rows a join chunk may read within ``budget``: the rows alone, once the largest chunk's
     candidates and the mark per row are set aside; at least what a shard holds. Joins read the
@@ -124,13 +93,6 @@ def join_capacity(budget: int, n: int, dim: int, element_size: int, p: BuildPara
     in 8 GB read 160M rows for 8.85M joined at the shards' 1.5M, 113M at twice that (one H100)."""
     spare = budget - (n + 1) - JOIN_CHUNK_ROWS * 2 * p.degree * JOIN_BYTES_PER_CANDIDATE
     return min(n, max(rows_per_shard, spare // (dim * element_size)))
-
-
-def free_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    raise ValueError("max_gpu_memory: needed when the build runs on the CPU (there is no free memory to ask for)")
 
 
 def _prepared(rows: Tensor, metric: str) -> Tensor:

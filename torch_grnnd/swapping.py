@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .out_of_core import bytes_per_row, free_bytes, parse_bytes, within_budget
+from .memory import bytes_per_row, free_bytes, parse_bytes, within_budget
 from .params import BuildParams, SearchParams
 from .progress import Progress, steps_reporter
 from .index import check_state
