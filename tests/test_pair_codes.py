@@ -154,3 +154,18 @@ def test_the_default_keeps_the_rows_where_the_gpu_cannot_hold_the_codes(monkeypa
     assert ops._builds_on_pair_codes(params.replace(pair_codes=True), x, "l2")  # asked for: no rule
     graph = grnnd.build(x)  # on the rows
     assert graph.shape == (4_000, params.degree) and int(graph.min()) >= 0
+
+
+def test_a_compiled_default_build_keeps_the_rows():
+    # The codes' step is a host value read off the rows, which a full graph cannot hold: inside
+    # torch.compile the default builds wide rows on the rows, the graph an eager build on them makes.
+    x = clustered(800, PAIR_CODES_MIN_DIM, 8, seed=9)
+
+    def build(data):
+        return grnnd.build(data, degree=8, pool_size=16, initial_degree=8, outer_iters=2, inner_iters=1, seed=3)
+
+    with one_thread():
+        compiled = torch.compile(build, fullgraph=True, backend="aot_eager")(x)
+        on_rows = grnnd.build(x, degree=8, pool_size=16, initial_degree=8, outer_iters=2, inner_iters=1, seed=3,
+                              pair_codes=False)
+    assert torch.equal(compiled, on_rows)

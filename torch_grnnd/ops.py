@@ -46,7 +46,8 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
 def _builds_on_pair_codes(p: BuildParams, data: Tensor, metric: Metric) -> bool:
     """``p.pair_codes``, or where it is None (the default) whether the codes pay for this build:
     floating rows of at least ``PAIR_CODES_MIN_DIM`` dimensions under a metric the codes serve,
-    and on a GPU, free memory for the codes and the pools (``BuildParams.pair_codes``)."""
+    outside torch.compile, and on a GPU, free memory for the codes and the pools
+    (``BuildParams.pair_codes``)."""
     if p.pair_codes is not None and not isinstance(p.pair_codes, bool):
         raise TypeError(f"pair_codes: expected True, False or None, got {p.pair_codes!r}")
     codable = isinstance(data, Tensor) and data.dim() == 2 and data.is_floating_point()
@@ -55,7 +56,11 @@ def _builds_on_pair_codes(p: BuildParams, data: Tensor, metric: Metric) -> bool:
         return bool(p.pair_codes) and codable
     if data.shape[1] < PAIR_CODES_MIN_DIM or metric not in PAIR_CODE_METRICS:
         return False
-    if data.is_cuda and not torch.compiler.is_compiling():  # a compiled graph cannot ask the allocator
+    # A compiled graph keeps the rows: the codes' step is a host value read off the rows' range, a
+    # break in the graph (and it cannot ask the allocator what is free either).
+    if torch.compiler.is_compiling():
+        return False
+    if data.is_cuda:
         n, dim = data.shape
         needed = n * (bytes_per_row(dim, data.element_size(), p.replace(pair_codes=True)) - dim * data.element_size())
         free = free_bytes(data.device)

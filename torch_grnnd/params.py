@@ -128,8 +128,9 @@ class BuildParams(_Settings):
             rows as before. The rounds cost so much less that the default ``delta`` is halved for
             them (``CODES_DELTA``). None (the default): the codes for floating rows of at least
             ``PAIR_CODES_MIN_DIM`` (1 024) dimensions under l2 or cosine, on a GPU only where its
-            free memory holds the codes (N x D bytes) beside the pools, else the rows; a build
-            within a memory budget (``max_gpu_memory``, :class:`~torch_grnnd.SwappingIndex`) keeps
+            free memory holds the codes (N x D bytes) beside the pools, else the rows (and the
+            rows inside torch.compile, where the codes' step, a host value, would break the
+            graph); a build within a memory budget (``max_gpu_memory``, :class:`~torch_grnnd.SwappingIndex`) keeps
             the rows unless asked, so that the codes take no rows from its shards. On an H200
             builds of 1 024-d float16 clustered rows ran 1.8-2.3x faster on the codes (10M x 1024
             Zipf/anisotropic clusters: 7.2 s against 12.7 s), 384-d rows 1.16-1.5x (real sentence
