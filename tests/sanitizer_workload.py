@@ -6,6 +6,7 @@
     (parts: see PARTS)
 """
 import sys
+import time
 
 import torch
 
@@ -221,6 +222,7 @@ def _search_by_codes(g: torch.Generator, settings):
     """Searches by codes with the exact re-rank, one (dtype, metric, dim, kind) of ``settings`` at a
     time: each loop, a filter, split searches, pinned host rows."""
     for dtype, metric, dim, kind in settings:
+        print(f"  codes {kind}: {dtype}, {metric}, {dim} dimensions", flush=True)
         data = torch.randn(2000, dim, generator=g, device="cuda").to(dtype)
         graph = grnnd.build(data, metric=metric, outer_iters=1, inner_iters=1)
         kind, _, cells = kind.partition("@")  # int4 about the default cells (45 here), or as many as given
@@ -289,9 +291,12 @@ PARTS = ("basics", "edge_sizes", "hubs_and_repair", "segments", "editing", "out_
 
 def main(parts=PARTS):
     g = torch.Generator(device="cuda").manual_seed(0)
+    started = time.perf_counter()
     for name in parts:
         getattr(sys.modules[__name__], name)(g)
-    torch.cuda.synchronize()
+        # where a run cut by a time limit got to (racecheck takes minutes a part)
+        torch.cuda.synchronize()
+        print(f"part {name} done at {time.perf_counter() - started:.0f} s", flush=True)
     print("sanitizer workload done")
 
 
