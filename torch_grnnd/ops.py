@@ -39,7 +39,8 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
             init_split=init_split, init_mode=init_mode, pair_code_rows=code_rows, pair_code_scale=code_scale)
 
     if not torch.compiler.is_compiling():  # a compiled graph cannot hold a host-side log call
-        logger.debug("build: %s %s on %s, metric=%s, %s", tuple(data.shape), data.dtype, data.device, metric, p)
+        logger.debug("build: %s %s on %s, metric=%s, pairs compared on the %s, %s", tuple(data.shape), data.dtype,
+                     data.device, metric, "rows" if code_rows is None else "pair codes", p)
     return run_reporting(progress, "build", run)
 
 

@@ -130,8 +130,9 @@ class BuildParams(_Settings):
             ``PAIR_CODES_MIN_DIM`` (1 024) dimensions under l2 or cosine, on a GPU only where its
             free memory holds the codes (N x D bytes) beside the pools, else the rows (and the
             rows inside torch.compile, where the codes' step, a host value, would break the
-            graph); a build within a memory budget (``max_gpu_memory``, :class:`~torch_grnnd.SwappingIndex`) keeps
-            the rows unless asked, so that the codes take no rows from its shards. On an H200
+            graph); a build of host rows on a device within a budget (``device``,
+            ``max_gpu_memory``, :class:`~torch_grnnd.SwappingIndex`) keeps the rows unless asked,
+            so that the codes take no rows from its shards. On an H200
             builds of 1 024-d float16 clustered rows ran 1.8-2.3x faster on the codes (10M x 1024
             Zipf/anisotropic clusters: 7.2 s against 12.7 s), 384-d rows 1.16-1.5x (real sentence
             embeddings: 0.37 s against 0.43 s), 128-d rows no faster, with recall@10 as good or
