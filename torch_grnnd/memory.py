@@ -44,6 +44,8 @@ def within_budget(p: BuildParams) -> BuildParams:
 
 
 def free_bytes(device: torch.device) -> int:
+    """What a build on ``device`` may take: the GPU's free memory and what the caching allocator
+    holds but does not use. A CPU has no such figure: a budget must be given there."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
