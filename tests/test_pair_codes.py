@@ -5,7 +5,7 @@ import torch
 
 import torch_grnnd as grnnd
 from conftest import clustered, exact_neighbours, one_thread
-from torch_grnnd.codes import pair_codes
+from torch_grnnd.codes import pair_codes, pair_codes_scratch_bytes
 from torch_grnnd import out_of_core
 from torch_grnnd.params import CODES_DELTA, PAIR_CODES_MIN_DIM, ROWS_DELTA
 
@@ -148,8 +148,11 @@ def test_the_default_keeps_the_rows_where_the_gpu_cannot_hold_the_codes(monkeypa
     x = torch.randn(4_000, PAIR_CODES_MIN_DIM, device="cuda", dtype=torch.float16)
     params = grnnd.BuildParams()
     per_row = out_of_core.bytes_per_row(x.shape[1], 2, params.replace(pair_codes=True)) - x.shape[1] * 2
+    needed = x.shape[0] * per_row + pair_codes_scratch_bytes(x.shape[1])  # the build's extra, the coding's steps
     assert ops._builds_on_pair_codes(params, x, "l2")
-    monkeypatch.setattr(ops, "free_bytes", lambda device: x.shape[0] * per_row - 1)
+    monkeypatch.setattr(ops, "free_bytes", lambda device: needed)
+    assert ops._builds_on_pair_codes(params, x, "l2")
+    monkeypatch.setattr(ops, "free_bytes", lambda device: needed - 1)
     assert not ops._builds_on_pair_codes(params, x, "l2")
     assert ops._builds_on_pair_codes(params.replace(pair_codes=True), x, "l2")  # asked for: no rule
     graph = grnnd.build(x)  # on the rows
@@ -169,3 +172,17 @@ def test_a_compiled_default_build_keeps_the_rows():
         on_rows = grnnd.build(x, degree=8, pool_size=16, initial_degree=8, outer_iters=2, inner_iters=1, seed=3,
                               pair_codes=False)
     assert torch.equal(compiled, on_rows)
+
+
+def test_adds_keep_the_rows_by_default():
+    # A build from init (an add) would encode every row for rounds over a few new ones: the
+    # default keeps the rows there, so an add makes the graph an add on the rows makes.
+    x = clustered(1_300, PAIR_CODES_MIN_DIM, 12, seed=10)
+    with one_thread():
+        graph = grnnd.build(x[:1_000], degree=16, seed=5, pair_codes=False)
+        graphs = []
+        for params in (grnnd.BuildParams(degree=16, seed=5), grnnd.BuildParams(degree=16, seed=5, pair_codes=False)):
+            index = grnnd.Index(x[:1_000].clone(), graph.clone(), "l2", params)
+            index.add(x[1_000:])
+            graphs.append(index.graph)
+    assert torch.equal(graphs[0], graphs[1])

@@ -77,6 +77,12 @@ def code_dims(dim: int, kind: str = "int8") -> int:
 PAIR_CODE_METRICS = ("l2", "cosine")  # the metrics a build's pair codes measure
 
 
+def pair_codes_scratch_bytes(dim: int) -> int:
+    """The most :func:`pair_codes` holds beside its output: a step's float32 rows and the few
+    temporaries of its arithmetic (at most four copies of a step: 256 MB at D = 1024)."""
+    return 4 * _CHUNK_ROWS * dim * 4
+
+
 def pair_codes(rows: Tensor, metric: str = "l2") -> Tuple[Tensor, float]:
     """One-byte codes of ``rows`` [N, D] for a build's pair distances (``BuildParams.pair_codes``):
     uint8 [N, stride] on the rows' device, stride D rounded up to a multiple of 16 (zeros past

@@ -11,7 +11,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .codes import PAIR_CODE_METRICS, Codes, pair_codes
+from .codes import PAIR_CODE_METRICS, Codes, pair_codes, pair_codes_scratch_bytes
 from .memory import bytes_per_row, free_bytes
 from .params import CODES_DELTA, PAIR_CODES_MIN_DIM, ROWS_DELTA, BuildParams, SearchParams
 from .progress import Progress, run_reporting
@@ -27,7 +27,7 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
     ``max_gpu_memory`` (the builds in shards of :mod:`torch_grnnd.out_of_core` call this)."""
     p = BuildParams.merge(params, **settings)
     code_rows, code_scale = None, 0.0
-    if _builds_on_pair_codes(p, data, metric):
+    if _builds_on_pair_codes(p, data, metric, from_scratch=init is None):
         code_rows, code_scale = pair_codes(data, metric)
     delta = p.delta if p.delta is not None else (CODES_DELTA if code_rows is not None else ROWS_DELTA)
 
@@ -44,18 +44,20 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
     return run_reporting(progress, "build", run)
 
 
-def _builds_on_pair_codes(p: BuildParams, data: Tensor, metric: Metric) -> bool:
+def _builds_on_pair_codes(p: BuildParams, data: Tensor, metric: Metric, from_scratch: bool = True) -> bool:
     """``p.pair_codes``, or where it is None (the default) whether the codes pay for this build:
-    floating rows of at least ``PAIR_CODES_MIN_DIM`` dimensions under a metric the codes serve,
-    outside torch.compile, and on a GPU, free memory for the codes and the pools
-    (``BuildParams.pair_codes``)."""
+    a build from scratch of floating rows of at least ``PAIR_CODES_MIN_DIM`` dimensions under a
+    metric the codes serve, outside torch.compile, and on a GPU, free memory for the codes and
+    the pools (``BuildParams.pair_codes``)."""
     if p.pair_codes is not None and not isinstance(p.pair_codes, bool):
         raise TypeError(f"pair_codes: expected True, False or None, got {p.pair_codes!r}")
     codable = isinstance(data, Tensor) and data.dim() == 2 and data.is_floating_point()
     if p.pair_codes is not None or not codable:
         # pair_codes checks the metric; rows the codes cannot be made of are the op's to refuse
         return bool(p.pair_codes) and codable
-    if data.shape[1] < PAIR_CODES_MIN_DIM or metric not in PAIR_CODE_METRICS:
+    # Builds from ``init`` (adds, merges) would encode every row for the rounds of a few: not
+    # measured, so they keep the rows unless asked.
+    if not from_scratch or data.shape[1] < PAIR_CODES_MIN_DIM or metric not in PAIR_CODE_METRICS:
         return False
     # A compiled graph keeps the rows: the codes' step is a host value read off the rows' range, a
     # break in the graph (and it cannot ask the allocator what is free either).
@@ -63,7 +65,8 @@ def _builds_on_pair_codes(p: BuildParams, data: Tensor, metric: Metric) -> bool:
         return False
     if data.is_cuda:
         n, dim = data.shape
-        needed = n * (bytes_per_row(dim, data.element_size(), p.replace(pair_codes=True)) - dim * data.element_size())
+        needed = n * (bytes_per_row(dim, data.element_size(), p.replace(pair_codes=True)) - dim * data.element_size()) \
+            + pair_codes_scratch_bytes(dim)
         free = free_bytes(data.device)
         if needed > free:
             logger.info("build: %d x %d rows compared on the rows, not pair codes: the build with codes needs "

@@ -126,21 +126,23 @@ class BuildParams(_Settings):
             instead of the rows: half the bytes of float16 rows, read four dimensions an
             instruction pair on the GPU. The start, the fill, the repair and the search read the
             rows as before. The rounds cost so much less that the default ``delta`` is halved for
-            them (``CODES_DELTA``). None (the default): the codes for floating rows of at least
-            ``PAIR_CODES_MIN_DIM`` (1 024) dimensions under l2 or cosine, on a GPU only where its
-            free memory holds the codes (N x D bytes) beside the pools, else the rows (and the
-            rows inside torch.compile, where the codes' step, a host value, would break the
-            graph); a build of host rows on a device within a budget (``device``,
-            ``max_gpu_memory``, :class:`~torch_grnnd.SwappingIndex`) keeps the rows unless asked,
-            so that the codes take no rows from its shards. On an H200
-            builds of 1 024-d float16 clustered rows ran 1.8-2.3x faster on the codes (10M x 1024
-            Zipf/anisotropic clusters: 7.2 s against 12.7 s), 384-d rows 1.16-1.5x (real sentence
-            embeddings: 0.37 s against 0.43 s), 128-d rows no faster, with recall@10 as good or
-            better on every family measured. Searches of the codes' graphs of 1 024-d rows were as
-            fast as of the rows' at equal recall over four build seeds each, at batches of 100 to
-            10 000; at 384 dimensions small batches (100 to 1 000 queries, list 32) searched the
-            codes' graphs of real embeddings 2-15% slower, which is why narrower rows keep the
-            rows by default (benchmarks/README.md, "Building on one-byte codes").
+            them (``CODES_DELTA``). True or False: the codes or the rows. None (the default): the
+            codes in a build from scratch of floating rows of at least ``PAIR_CODES_MIN_DIM``
+            (1 024) dimensions under l2 or cosine, on a GPU only where its free memory holds the
+            codes (N x D bytes) beside the pools; the rows otherwise, and also inside
+            torch.compile (the codes' step is a host value, which would break the graph), for
+            host rows built on a device within a budget (``device``, ``max_gpu_memory``,
+            :class:`~torch_grnnd.SwappingIndex`: the codes would take rows from every shard) and
+            for builds from ``init`` (:meth:`~torch_grnnd.Index.add`, merges), which would encode
+            every row for rounds over a few. On an H200 builds of 1 024-d float16 clustered rows
+            ran 1.8-2.3x faster on the codes (10M x 1024 Zipf/anisotropic clusters: 7.2 s against
+            12.7-13.3 s), 384-d rows 1.16-1.5x (real sentence embeddings: 0.37 s against 0.43 s),
+            128-d rows no faster, with recall@10 as good or better on every family measured.
+            Searches of the codes' graphs of 1 024-d rows were as fast as of the rows' at equal
+            recall over four build seeds each, at batches of 100 to 10 000; at 384 dimensions
+            small batches (100 to 1 000 queries, list 32) searched the codes' graphs of real
+            embeddings 2-15% slower, which is why narrower rows keep the rows by default
+            (benchmarks/README.md, "Building on one-byte codes").
     """
 
     degree: int = _default(_build, "degree")
