@@ -1,5 +1,8 @@
 """Builds whose update rounds take pair distances from one-byte codes (BuildParams.pair_codes),
 on the CPU and CUDA against faiss-cpu's exact neighbours, and the codes themselves."""
+import logging
+import sys
+
 import pytest
 import torch
 
@@ -186,3 +189,16 @@ def test_adds_keep_the_rows_by_default():
             index.add(x[1_000:])
             graphs.append(index.graph)
     assert torch.equal(graphs[0], graphs[1])
+
+
+def test_a_build_says_what_it_compares_pairs_on(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # progress as log records
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    for dim, on in ((PAIR_CODES_MIN_DIM, "pair codes"), (PAIR_CODES_MIN_DIM - 16, "rows")):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="torch_grnnd"):
+            grnnd.build(clustered(300, dim, 3, seed=11), degree=8, pool_size=16, initial_degree=8, outer_iters=1,
+                        inner_iters=1, progress=True)
+        messages = [r.getMessage() for r in caplog.records if r.name.startswith("torch_grnnd")]
+        assert f"pairs compared on the {on}," in messages[0]
+        assert messages[1].startswith("build on pair codes: round 1" if on == "pair codes" else "build: round 1")

@@ -41,7 +41,7 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
     if not torch.compiler.is_compiling():  # a compiled graph cannot hold a host-side log call
         logger.debug("build: %s %s on %s, metric=%s, pairs compared on the %s, %s", tuple(data.shape), data.dtype,
                      data.device, metric, "rows" if code_rows is None else "pair codes", p)
-    return run_reporting(progress, "build", run)
+    return run_reporting(progress, "build" if code_rows is None else "build on pair codes", run)
 
 
 def _builds_on_pair_codes(p: BuildParams, data: Tensor, metric: Metric, from_scratch: bool = True) -> bool:
