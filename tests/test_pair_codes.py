@@ -133,6 +133,30 @@ def test_the_default_builds_wide_rows_on_codes(dim, metric, on_codes):
         assert not torch.equal(default, other)
 
 
+def compared_on(caplog) -> list:
+    """What each build logged since caplog was last cleared: "rows" or "pair codes"."""
+    lines = [r.getMessage() for r in caplog.records if "pairs compared on the" in r.getMessage()]
+    return [line.split("pairs compared on the ")[1].split(",")[0] for line in lines]
+
+
+def test_host_rows_built_on_a_device_keep_the_rows(caplog):
+    # Builds within a budget plan their shards without the codes' bytes, so the default keeps the
+    # rows there: out_of_core's builds and SwappingIndex's shards (with or without a budget).
+    x = clustered(1_200, PAIR_CODES_MIN_DIM, 12, seed=12)
+    small = dict(degree=8, pool_size=16, initial_degree=8, outer_iters=1, inner_iters=1)
+    with caplog.at_level(logging.DEBUG, logger="torch_grnnd"):
+        grnnd.build(x, device="cpu", max_gpu_memory="10GB", **small)
+        grnnd.SwappingIndex.build(x, device="cpu", shard_rows=600, **small)
+        grnnd.SwappingIndex.build(x, device="cpu", max_gpu_memory="10GB", **small)
+        assert compared_on(caplog) == ["rows"] * 4  # one build, two shards, one shard
+        caplog.clear()
+        grnnd.build(x, device="cpu", max_gpu_memory="10GB", pair_codes=True, **small)  # asked for
+        index = grnnd.SwappingIndex.build(x, device="cpu", shard_rows=600, pair_codes=True, **small)
+        assert compared_on(caplog) == ["pair codes"] * 3
+    assert index.build_params.pair_codes is True
+    assert grnnd.SwappingIndex.build(x, device="cpu", shard_rows=600, **small).build_params.pair_codes is None
+
+
 def test_a_budget_keeps_the_rows_unless_asked():
     # Builds within a memory budget (max_gpu_memory, SwappingIndex) plan their shards without the
     # codes, so the default must not add them there.
@@ -145,7 +169,7 @@ def test_a_budget_keeps_the_rows_unless_asked():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the free-memory rule is the GPU's")
-def test_the_default_keeps_the_rows_where_the_gpu_cannot_hold_the_codes(monkeypatch):
+def test_the_default_keeps_the_rows_where_the_gpu_cannot_hold_the_codes(monkeypatch, caplog):
     from torch_grnnd import ops
 
     x = torch.randn(4_000, PAIR_CODES_MIN_DIM, device="cuda", dtype=torch.float16)
@@ -158,7 +182,9 @@ def test_the_default_keeps_the_rows_where_the_gpu_cannot_hold_the_codes(monkeypa
     monkeypatch.setattr(ops, "free_bytes", lambda device: needed - 1)
     assert not ops._builds_on_pair_codes(params, x, "l2")
     assert ops._builds_on_pair_codes(params.replace(pair_codes=True), x, "l2")  # asked for: no rule
-    graph = grnnd.build(x)  # on the rows
+    with caplog.at_level(logging.DEBUG, logger="torch_grnnd"):
+        graph = grnnd.build(x)
+    assert compared_on(caplog) == ["rows"]
     assert graph.shape == (4_000, params.degree) and int(graph.min()) >= 0
 
 

@@ -128,13 +128,14 @@ class BuildParams(_Settings):
             rows as before. The rounds cost so much less that the default ``delta`` is halved for
             them (``CODES_DELTA``). True or False: the codes or the rows. None (the default): the
             codes in a build from scratch of floating rows of at least ``PAIR_CODES_MIN_DIM``
-            (1 024) dimensions under l2 or cosine, on a GPU only where its free memory holds the
-            codes (N x D bytes) beside the pools; the rows otherwise, and also inside
+            (1 024) dimensions under l2 or cosine, on the CPU always and on a GPU where its free
+            memory holds the coded build's extra (the codes, N x D bytes, beside the pools and the
+            rest ``memory.bytes_per_row`` counts); the rows otherwise, and also inside
             torch.compile (the codes' step is a host value, which would break the graph), for
             host rows built on a device within a budget (``device``, ``max_gpu_memory``,
             :class:`~torch_grnnd.SwappingIndex`: the codes would take rows from every shard) and
-            for builds from ``init`` (:meth:`~torch_grnnd.Index.add`, merges), which would encode
-            every row for rounds over a few. On an H200 builds of 1 024-d float16 clustered rows
+            for builds from ``init`` (merges, and the adds that grow an index's graph), which would
+            encode every row for rounds over a few. On an H200 builds of 1 024-d float16 clustered rows
             ran 1.8-2.3x faster on the codes (10M x 1024 Zipf/anisotropic clusters: 7.2 s against
             12.7-13.3 s), 384-d rows 1.16-1.5x (real sentence embeddings: 0.37 s against 0.43 s),
             128-d rows no faster, with recall@10 as good or better on every family measured.

@@ -76,7 +76,8 @@ class SwappingIndex:
         ``max_gpu_memory`` (bytes or a size like ``"8GB"``; default: what is free on a GPU) for
         the larger of a shard's build and two shards' rows and graphs (one searched, one coming
         in). ``progress`` counts the rows built. The graphs stay in (pinned) host memory."""
-        params = within_budget(BuildParams.merge(params, **settings))
+        params = BuildParams.merge(params, **settings)
+        shard_params = within_budget(params)  # the shards' builds and their plan: the rows unless asked
         device = torch.device(device)
         if data.device.type != "cpu":
             raise ValueError(f"data: expected rows in host memory, got rows on {data.device} (use Index there)")
@@ -84,7 +85,7 @@ class SwappingIndex:
             if max_gpu_memory is None and device.type != "cuda":
                 raise ValueError("SwappingIndex.build: give shard_rows or max_gpu_memory on the CPU")
             budget = parse_bytes(max_gpu_memory) if max_gpu_memory is not None else free_bytes(device)
-            shard_rows = budget // swapping_bytes_per_row(data.shape[1], data.element_size(), params)
+            shard_rows = budget // swapping_bytes_per_row(data.shape[1], data.element_size(), shard_params)
             if shard_rows < 2 * params.pool_size:
                 raise ValueError(f"max_gpu_memory: {budget} bytes hold only {shard_rows} rows of a shard; "
                                  "give it more")
@@ -95,7 +96,7 @@ class SwappingIndex:
         try:
             for start in range(0, data.shape[0], shard_rows):
                 rows = data[start:start + shard_rows]
-                graph = ops.build(rows.to(device, non_blocking=True), params, metric=metric)
+                graph = ops.build(rows.to(device, non_blocking=True), shard_params, metric=metric)
                 if device.type == "cuda":  # pinned, so that each search copies it in at full speed
                     graph = torch.empty(graph.shape, dtype=graph.dtype, pin_memory=True).copy_(graph)
                 graphs.append(graph)
