@@ -8,8 +8,8 @@ benchmarks/datasets.py's families).
         [--search-batches 100,1000,10000 --search-lists 32,64 --trials 4]
 
 Variants: ``default`` (the build as ``BuildParams()`` has it: pair codes from
-``PAIR_CODES_MIN_DIM`` dimensions on where they fit), ``rows`` (the build on the rows, ``pair_codes=False``, with the rows' default
-``delta``), ``pair_codes`` (``BuildParams.pair_codes``: the update rounds' pair distances from the
+``PAIR_CODES_MIN_DIM`` dimensions on where they fit), ``rows`` (the build on the rows,
+``pair_codes=False``, with the rows' default ``delta``), ``pair_codes`` (``BuildParams.pair_codes``: the update rounds' pair distances from the
 codes, by the kernels, with the codes' default ``delta``),
 ``pair_codes_rows_delta`` (the same at the rows' ``delta``), and three emulations, each a build on
 other rows with ``pair_codes=False``: ``rotated`` (the rows turned by one random orthogonal

@@ -9,7 +9,7 @@ import torch
 import torch_grnnd as grnnd
 from conftest import clustered, exact_neighbours, one_thread
 from torch_grnnd.codes import pair_codes, pair_codes_scratch_bytes
-from torch_grnnd import out_of_core
+from torch_grnnd import memory
 from torch_grnnd.params import CODES_DELTA, PAIR_CODES_MIN_DIM, ROWS_DELTA
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -115,7 +115,8 @@ def test_a_build_on_codes_converges_at_half_the_rows_delta():
     assert rows[0] == rows_at_their_delta[0] and torch.equal(rows[1], rows_at_their_delta[1])
 
 
-@pytest.mark.parametrize("dim, metric, on_codes", [(PAIR_CODES_MIN_DIM, "l2", True), (PAIR_CODES_MIN_DIM, "cosine", True),
+@pytest.mark.parametrize("dim, metric, on_codes", [(PAIR_CODES_MIN_DIM, "l2", True),
+                                                   (PAIR_CODES_MIN_DIM, "cosine", True),
                                                    (PAIR_CODES_MIN_DIM, "ip", False),
                                                    (PAIR_CODES_MIN_DIM - 16, "l2", False)])
 def test_the_default_builds_wide_rows_on_codes(dim, metric, on_codes):
@@ -160,12 +161,12 @@ def test_host_rows_built_on_a_device_keep_the_rows(caplog):
 def test_a_budget_keeps_the_rows_unless_asked():
     # Builds within a memory budget (max_gpu_memory, SwappingIndex) plan their shards without the
     # codes, so the default must not add them there.
-    assert out_of_core.within_budget(grnnd.BuildParams()).pair_codes is False
-    assert out_of_core.within_budget(grnnd.BuildParams(pair_codes=True)).pair_codes is True
+    assert memory.within_budget(grnnd.BuildParams()).pair_codes is False
+    assert memory.within_budget(grnnd.BuildParams(pair_codes=True)).pair_codes is True
     dim = PAIR_CODES_MIN_DIM
-    default = out_of_core.bytes_per_row(dim, 2, out_of_core.within_budget(grnnd.BuildParams()))
-    assert default == out_of_core.bytes_per_row(dim, 2, grnnd.BuildParams(pair_codes=False))
-    assert out_of_core.bytes_per_row(dim, 2, grnnd.BuildParams(pair_codes=True)) == default + dim
+    default = memory.bytes_per_row(dim, 2, memory.within_budget(grnnd.BuildParams()))
+    assert default == memory.bytes_per_row(dim, 2, grnnd.BuildParams(pair_codes=False))
+    assert memory.bytes_per_row(dim, 2, grnnd.BuildParams(pair_codes=True)) == default + dim
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the free-memory rule is the GPU's")
@@ -174,7 +175,7 @@ def test_the_default_keeps_the_rows_where_the_gpu_cannot_hold_the_codes(monkeypa
 
     x = torch.randn(4_000, PAIR_CODES_MIN_DIM, device="cuda", dtype=torch.float16)
     params = grnnd.BuildParams()
-    per_row = out_of_core.bytes_per_row(x.shape[1], 2, params.replace(pair_codes=True)) - x.shape[1] * 2
+    per_row = memory.bytes_per_row(x.shape[1], 2, params.replace(pair_codes=True)) - x.shape[1] * 2
     needed = x.shape[0] * per_row + pair_codes_scratch_bytes(x.shape[1])  # the build's extra, the coding's steps
     assert ops._builds_on_pair_codes(params, x, "l2")
     monkeypatch.setattr(ops, "free_bytes", lambda device: needed)

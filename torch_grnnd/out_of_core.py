@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from . import editing, ops
-from .memory import bytes_per_row, free_bytes, parse_bytes, within_budget  # noqa: F401 (this module's API too)
+from .memory import bytes_per_row, free_bytes, parse_bytes, within_budget
 from .params import BuildParams
 from .progress import Progress, steps_reporter
 
