@@ -229,3 +229,30 @@ def test_a_build_says_what_it_compares_pairs_on(monkeypatch, caplog):
         messages = [r.getMessage() for r in caplog.records if r.name.startswith("torch_grnnd")]
         assert f"pairs compared on the {on}," in messages[0]
         assert messages[1].startswith("build on pair codes: round 1" if on == "pair codes" else "build: round 1")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device memory is the GPU's")
+def test_a_build_on_codes_takes_the_memory_the_default_rule_counts():
+    # The default takes the codes where the GPU holds what memory.bytes_per_row counts beside the
+    # rows, plus pair_codes_scratch_bytes: a build on codes must peak within that, and above a
+    # build on the rows by the codes (N x D bytes) and the coding's steps at most, as the docs say.
+    n, dim = 1_000_000, PAIR_CODES_MIN_DIM
+    data = torch.randn(n, dim, device="cuda", dtype=torch.float16)
+    grnnd.build(data[:20_000], pair_codes=False)  # cuBLAS's workspace, kept by the process (test_build_cuda)
+    peaks = {}
+    for on_codes in (False, True):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        graph = grnnd.build(data, pair_codes=on_codes)
+        torch.cuda.synchronize()
+        peaks[on_codes] = torch.cuda.max_memory_allocated() - before
+        assert graph.shape[0] == n and int(graph.min()) >= 0
+        del graph
+    p = grnnd.BuildParams(pair_codes=True)
+    counted = n * (memory.bytes_per_row(dim, 2, p) - dim * 2) + pair_codes_scratch_bytes(dim)
+    codes_bytes = n * grnnd.codes.code_dims(dim)
+    mib = {key: f"{value / 2**20:.0f} MiB" for key, value in peaks.items()}
+    assert peaks[True] <= counted, (mib, f"counted {counted / 2**20:.0f} MiB")
+    assert peaks[True] - peaks[False] <= 1.05 * codes_bytes + pair_codes_scratch_bytes(dim), mib
