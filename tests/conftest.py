@@ -49,6 +49,17 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
+def cuda_peak_bytes(run):
+    """``(run(), bytes)``: the most CUDA memory allocated while ``run()`` ran, above what was
+    allocated before it (the GPU synchronised on both sides)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = run()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - before
+
+
 def exact_neighbours(data: torch.Tensor, queries: torch.Tensor, k: int, metric: str = "l2"):
     """faiss-cpu IndexFlat results as (dists, ids) in this library's distance convention, over
     float32 copies of the values stored (whatever their dtype and device)."""

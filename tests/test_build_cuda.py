@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torch_grnnd as grnnd
-from conftest import clustered as _clustered, exact_neighbours
+from conftest import clustered as _clustered, cuda_peak_bytes, exact_neighbours
 from torch_grnnd import memory
 
 clustered = functools.partial(_clustered, spread=4.0)  # this file's data: centres spread by 4
@@ -302,12 +302,7 @@ def test_peak_memory_stays_within_the_pools():
     # hubs). Measured as a process's first build on an H200 this one peaked at 189 MiB (1.29x the
     # pools), 32 MiB of it that workspace, and at 157 MiB (1.07x) after a build of 20 000 rows.
     grnnd.build(data[:20_000], pool_size=pool_size)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    graph = grnnd.build(data, pool_size=pool_size)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    graph, peak = cuda_peak_bytes(lambda: grnnd.build(data, pool_size=pool_size))
     pools = 2 * n * pool_size * 8
     assert graph.shape == (n, grnnd.BuildParams().degree) and int(graph.min()) >= 0
     assert peak <= 1.10 * pools, f"peak extra {peak / 2**20:.1f} MiB against pools {pools / 2**20:.1f} MiB"
@@ -320,12 +315,7 @@ def test_a_cosine_build_stays_within_the_memory_model():
     n, dim = 1_000_000, 256
     data = torch.randn(n, dim, device="cuda", dtype=torch.float16)
     grnnd.build(data[:20_000], metric="cosine")  # cuBLAS's workspace, kept by the process (above)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    graph = grnnd.build(data, metric="cosine")
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    graph, peak = cuda_peak_bytes(lambda: grnnd.build(data, metric="cosine"))
     counted = n * (memory.bytes_per_row(dim, 2, grnnd.BuildParams()) - dim * 2)  # beside the rows
     assert graph.shape == (n, grnnd.BuildParams().degree) and int(graph.min()) >= 0
     assert peak <= counted, f"peak extra {peak / 2**20:.0f} MiB against the model's {counted / 2**20:.0f} MiB"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_grnnd as grnnd
-from conftest import clustered, exact_neighbours, one_thread
+from conftest import clustered, cuda_peak_bytes, exact_neighbours, one_thread
 from torch_grnnd.codes import pair_codes, pair_codes_scratch_bytes
 from torch_grnnd import memory
 from torch_grnnd.params import CODES_DELTA, PAIR_CODES_MIN_DIM, ROWS_DELTA
@@ -242,12 +242,7 @@ def test_a_build_on_codes_takes_the_memory_the_default_rule_counts():
     grnnd.build(data[:20_000], pair_codes=False)  # cuBLAS's workspace, kept by the process (test_build_cuda)
     peaks = {}
     for on_codes in (False, True):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        graph = grnnd.build(data, pair_codes=on_codes)
-        torch.cuda.synchronize()
-        peaks[on_codes] = torch.cuda.max_memory_allocated() - before
+        graph, peaks[on_codes] = cuda_peak_bytes(lambda: grnnd.build(data, pair_codes=on_codes))
         assert graph.shape[0] == n and int(graph.min()) >= 0
         del graph
     p = grnnd.BuildParams(pair_codes=True)
