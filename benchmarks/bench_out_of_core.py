@@ -32,7 +32,7 @@ import torch
 
 import torch_grnnd as grnnd
 from torch_grnnd import out_of_core
-from torch_grnnd.memory import within_budget
+from torch_grnnd.memory import shard_bytes_per_row, within_budget
 from benchmarks.datasets import make_set, parse_sets
 from benchmarks.report import gpu_result_stem, machine, machine_line
 
@@ -96,8 +96,8 @@ def measure_out_of_core(family: str, n: int, d: int, host: torch.Tensor, queries
     params = grnnd.BuildParams(seed=seed)
     max_memory = None if budget == "free" else budget
     bytes_free = out_of_core.parse_bytes(budget) if max_memory else out_of_core.free_bytes(torch.device("cuda"))
-    rows = bytes_free // out_of_core.bytes_per_row(d, host.element_size(), params)
-    plan = out_of_core.plan_shards(host, rows, "l2", torch.device("cuda"), params.seed)
+    rows = bytes_free // shard_bytes_per_row(d, host.element_size(), params)
+    plan = out_of_core.plan_shards(host, rows, "l2", torch.device("cuda"), params.seed, bytes_free)
     shards, shared = len(plan.members), float((plan.secondary >= 0).float().mean())
     shard_rows = sum(m.numel() for m in plan.members)  # progress counts rows: the shards' then the joined ones
     del plan

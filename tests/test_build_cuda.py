@@ -316,6 +316,6 @@ def test_a_cosine_build_stays_within_the_memory_model():
     data = torch.randn(n, dim, device="cuda", dtype=torch.float16)
     grnnd.build(data[:20_000], metric="cosine")  # cuBLAS's workspace, kept by the process (above)
     graph, peak = cuda_peak_bytes(lambda: grnnd.build(data, metric="cosine"))
-    counted = n * (memory.bytes_per_row(dim, 2, grnnd.BuildParams()) - dim * 2)  # beside the rows
+    counted = n * (memory.bytes_per_row(dim, 2, grnnd.BuildParams(), "cosine") - dim * 2)  # beside the rows
     assert graph.shape == (n, grnnd.BuildParams().degree) and int(graph.min()) >= 0
     assert peak <= counted, f"peak extra {peak / 2**20:.0f} MiB against the model's {counted / 2**20:.0f} MiB"

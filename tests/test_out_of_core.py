@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import torch_grnnd as grnnd
-from torch_grnnd import out_of_core
+from torch_grnnd import memory, out_of_core
 
-from conftest import clustered, exact_neighbours, one_thread
+from conftest import clustered, cuda_peak_bytes, exact_neighbours, one_thread
 
 
-def budget_for(rows: int, data: torch.Tensor, **settings) -> int:
+def budget_for(rows: int, data: torch.Tensor, metric: str = "l2", **settings) -> int:
     """The budget in which a build of these settings holds `rows` rows of `data`."""
-    return rows * out_of_core.bytes_per_row(data.shape[1], data.element_size(), grnnd.BuildParams(**settings))
+    return rows * memory.shard_bytes_per_row(data.shape[1], data.element_size(), grnnd.BuildParams(**settings), metric)
 
 
 def recall(data, graph, queries, truth, metric="l2"):
@@ -50,10 +50,11 @@ def test_sharded_build_recalls_as_the_whole_build(blobs, blobs_truth, blobs_grap
     data, queries = blobs
     n = data.shape[0]
     reports = []
-    graph = grnnd.build(data, device="cpu", max_gpu_memory=budget_for(int(n / shards_worth), data),
+    budget = budget_for(int(n / shards_worth), data)
+    graph = grnnd.build(data, device="cpu", max_gpu_memory=budget,
                         progress=lambda done, total: reports.append((done, total)))
     members, primary, secondary, centres, _ = out_of_core.plan_shards(data, int(n / shards_worth), "l2",
-                                                                      torch.device("cpu"), 0)
+                                                                      torch.device("cpu"), 0, budget)
     assert len(members) >= 3  # the budget really split the build
     # each row in its own shard, a shared row in a second, the centres in every shard
     assert sum(m.numel() for m in members) == n + int((secondary >= 0).sum()) + (len(members) - 1) * centres.numel()
@@ -155,6 +156,25 @@ def test_a_build_that_fits_is_the_plain_build(blobs):
     assert grnnd.recall(graph, grnnd.build(data[:3000])) > 0.9
 
 
+def test_a_row_counts_the_copy_the_kernels_make_of_it():
+    # The kernels read l2 and ip rows of 16 and 32 bits as they are; they make a float32 copy of
+    # float64 rows and a unit copy under cosine (csrc/cuda/detail/vectors_cuda.cuh).
+    dim, params = 100, grnnd.BuildParams()
+    assert [memory.row_bytes(dim, size, "l2") for size in (2, 4, 8)] == [200, 400, 1200]
+    assert [memory.row_bytes(dim, size, "ip") for size in (2, 4, 8)] == [200, 400, 1200]
+    assert [memory.row_bytes(dim, size, "cosine") for size in (2, 4, 8)] == [400, 800, 1600]
+    rest = memory.bytes_per_row(dim, 2, params) - memory.row_bytes(dim, 2)
+    assert rest == 2 * params.pool_size * 8 + 28 + 2 * params.degree * 4
+    assert memory.bytes_per_row(dim, 2, params, "cosine") == 400 + rest
+    # a shard's plan counts one more row (measured faster than shards of what the build fits)
+    assert memory.shard_bytes_per_row(dim, 2, params, "cosine") == 600 + rest
+    # a budget of the same bytes holds fewer cosine rows, and their joins read fewer rows
+    budget, n = 10**10, 10**8
+    assert budget // memory.bytes_per_row(dim, 2, params, "cosine") < budget // memory.bytes_per_row(dim, 2, params)
+    cosine_rows = out_of_core.join_capacity(budget, n, dim, 2, params, "cosine")
+    assert cosine_rows < out_of_core.join_capacity(budget, n, dim, 2, params)
+
+
 def test_sizes_and_bad_budgets():
     assert out_of_core.parse_bytes("8GB") == 8 * 10**9
     assert out_of_core.parse_bytes("1.5 GiB") == 3 * 2**29
@@ -230,12 +250,18 @@ def test_joins_read_rows_up_to_the_budget():
     n, dim = 10_000_000, 1024
     budget = 8 * 10**9
     rows_per_shard = budget // out_of_core.bytes_per_row(dim, 2, params)
-    capacity = out_of_core.join_capacity(budget, n, dim, 2, params, rows_per_shard)
-    chunk = out_of_core.JOIN_CHUNK_ROWS * 2 * params.degree * out_of_core.JOIN_BYTES_PER_CANDIDATE
-    # the rows, the largest chunk's candidates and the marks fit; more rows than a shard holds
-    assert capacity * dim * 2 + chunk + n + 1 <= budget and capacity > 1.5 * rows_per_shard
-    assert out_of_core.join_capacity(budget, 1000, dim, 2, params, 100) == 1000  # never more than all rows
-    assert out_of_core.join_capacity(10**8, n, dim, 2, params, 5000) == 5000  # a tiny budget: a shard's worth
+    for budget in (8 * 10**9, 2 * 10**8):
+        rows_per_shard = budget // memory.shard_bytes_per_row(dim, 2, params)
+        capacity = out_of_core.join_capacity(budget, n, dim, 2, params)
+        chunk_rows = out_of_core.join_chunk_rows(budget, params)
+        candidates = chunk_rows * 2 * params.degree * out_of_core.JOIN_BYTES_PER_CANDIDATE
+        # the rows, the largest chunk's candidates and the marks fit, one row more would not
+        assert capacity * dim * 2 + candidates + n + 1 <= budget < (capacity + 1) * dim * 2 + candidates + n + 1
+        assert candidates <= budget // 2 and capacity >= 0.5 * rows_per_shard
+    assert out_of_core.join_chunk_rows(8 * 10**9, params) == out_of_core.JOIN_CHUNK_ROWS
+    assert out_of_core.join_capacity(budget, 1000, dim, 2, params) == 1000  # never more than all rows
+    # a budget too small for the marks: still the rows of one row's join
+    assert out_of_core.join_capacity(10**6, n, dim, 2, params) == 2 * params.degree + 1
 
 
 @pytest.mark.cuda
@@ -275,6 +301,23 @@ def test_host_rows_built_on_the_gpu_in_shards(metric, source, tmp_path):
     r_whole = recall(data, whole, queries, truth, metric)
     r_sharded = recall(data, graph, queries, truth, metric)
     assert r_sharded >= r_whole - 0.01, (r_sharded, r_whole)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("metric, source", [("l2", "pinned"), ("l2", "unpinned"), ("cosine", "pinned")])
+def test_a_build_in_shards_stays_within_its_budget(metric, source):
+    # Wide rows, where a shard's rows outweigh the rest of its build: a shard's rows must leave
+    # the device before the next shard's come in, and the joins must count the copy a cosine
+    # prune makes of the rows they read. Under the budget: the shards' builds and the joins.
+    n, dim = 300_000, 1024
+    data = clustered(n, dim, 300, seed=5).half()
+    host = data.pin_memory() if source == "pinned" else data
+    budget = budget_for(60_000, data, metric)
+    grnnd.build(data[:20_000].cuda(), metric=metric)  # cuBLAS's workspace, kept by the process (test_build_cuda)
+    graph, peak = cuda_peak_bytes(lambda: grnnd.build(host, metric=metric, device="cuda", max_gpu_memory=budget))
+    check_graph(graph, n)
+    assert peak <= budget, f"peak {peak / 2**20:.0f} MiB against a budget of {budget / 2**20:.0f} MiB"
 
 
 def test_join_chunks_copy_in_only_the_rows_they_read_within_the_buffer():

@@ -2,8 +2,9 @@
 
 A build on a device needs its rows, the pools (2 x N x pool_size x 8 bytes) and a little more
 at once (``bytes_per_row``); the builds within a budget (:mod:`torch_grnnd.out_of_core`,
-:class:`~torch_grnnd.SwappingIndex`) plan their shards by it, and a default build asks it
-whether its pair codes fit (:func:`torch_grnnd.ops.build`).
+:class:`~torch_grnnd.SwappingIndex`) plan their shards by it and one more row
+(``shard_bytes_per_row``), and a default build asks it whether its pair codes fit
+(:func:`torch_grnnd.ops.build`).
 """
 import re
 from typing import Union
@@ -29,12 +30,35 @@ def parse_bytes(value: Union[int, float, str]) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def bytes_per_row(dim: int, element_size: int, p: BuildParams) -> int:
-    """Device bytes a build needs per row: the row (and a prepared copy for cosine or a wider
-    dtype), the pools, their counts and locks, the start's cells, the graph with its fill, and
-    with ``pair_codes`` the row's codes (one byte a dimension, in 16s)."""
+def row_bytes(dim: int, element_size: int, metric: str = "l2") -> int:
+    """Device bytes of a row as the kernels hold it: the row, and the copy they read instead
+    where they need one (``prepare_vectors`` in csrc/cuda/detail/vectors_cuda.cuh): float32 rows
+    of float64 data, and unit rows under cosine (of the rows' type; float32 for float64 data).
+    l2 and ip kernels read float16, bfloat16 and float32 rows themselves."""
+    row = max(element_size, 2)
+    prepared = (4 if element_size > 4 else 0) + (min(row, 4) if metric == "cosine" else 0)
+    return dim * (row + prepared)
+
+
+def bytes_per_row(dim: int, element_size: int, p: BuildParams, metric: str = "l2") -> int:
+    """Device bytes a build needs per row: the row with its prepared copy (:func:`row_bytes`),
+    the pools, their counts and locks, the start's cells, the graph with its fill, and with
+    ``pair_codes`` the row's codes (one byte a dimension, in 16s). A copy counted under every
+    metric asked 2.3-2.4x what l2 builds on pair codes of 1M and 4M x 1 024 float16 rows took
+    (benchmarks/README.md, "Building on one-byte codes")."""
     codes = code_dims(dim) if p.pair_codes else 0
-    return 2 * dim * max(element_size, 2) + 2 * p.pool_size * 8 + 16 + 12 + 2 * p.degree * 4 + codes
+    return row_bytes(dim, element_size, metric) + 2 * p.pool_size * 8 + 16 + 12 + 2 * p.degree * 4 + codes
+
+
+def shard_bytes_per_row(dim: int, element_size: int, p: BuildParams, metric: str = "l2") -> int:
+    """Device bytes a row of a shard takes in the plans of builds within a budget
+    (:mod:`torch_grnnd.out_of_core`, :class:`~torch_grnnd.SwappingIndex`): its build's
+    (:func:`bytes_per_row`) and one more row. Shards of what the build alone fits were slower:
+    10M x 1024 float16 rows in 8 GB on one H200 built in 8 shards of up to 2.48M rows in 26.8 s,
+    against 24.5 s in 11 shards of up to 1.52M (recall@10 at list 64 0.9831 against 0.9812, one
+    seed; benchmarks/README.md, "Within the budget"): fewer cells cut the rows, and more of them
+    lay near a border and were built twice."""
+    return bytes_per_row(dim, element_size, p, metric) + dim * max(element_size, 2)
 
 
 def within_budget(p: BuildParams) -> BuildParams:

@@ -65,7 +65,8 @@ def _builds_on_pair_codes(p: BuildParams, data: Tensor, metric: Metric, from_scr
         return False
     if data.is_cuda:
         n, dim = data.shape
-        needed = n * (bytes_per_row(dim, data.element_size(), p.replace(pair_codes=True)) - dim * data.element_size()) \
+        needed = n * (bytes_per_row(dim, data.element_size(), p.replace(pair_codes=True), metric)
+                      - dim * data.element_size()) \
             + pair_codes_scratch_bytes(dim)
         free = free_bytes(data.device)
         if needed > free:

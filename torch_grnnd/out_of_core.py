@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from . import editing, ops
-from .memory import bytes_per_row, free_bytes, parse_bytes, within_budget
+from .memory import bytes_per_row, free_bytes, parse_bytes, row_bytes, shard_bytes_per_row, within_budget
 from .params import BuildParams
 from .progress import Progress, steps_reporter
 
@@ -75,8 +75,13 @@ SHARE_COVERAGE = 0.99
 # Shards are planned to hold this share of the rows that fit: shard sizes vary with the cells.
 SHARD_FILL = 0.9
 # Rows whose nearest cells are found in one pass over the device, and their scores (256 MiB).
+# Within a budget under PLAN_BUDGET_SHARE x 2^26 bytes (2 GiB) the passes are smaller: the
+# scores, a pass's rows and the training rows at most budget / PLAN_BUDGET_SHARE floats each. A
+# pass holds a few float32 copies of its rows beside their scores: with full passes the plan of
+# 300 000 x 1 024 float16 rows took 991 MiB whatever the budget (one H200).
 ASSIGN_CHUNK_ROWS = 1 << 18
 ASSIGN_CHUNK_SCORES = 1 << 26
+PLAN_BUDGET_SHARE = 32
 # Rows joined per prune_rows call.
 JOIN_CHUNK_ROWS = 1 << 19
 # Device bytes a join takes per candidate beside the rows it reads: the int64 copies of the ids
@@ -86,13 +91,22 @@ JOIN_BYTES_PER_CANDIDATE = 56
 # block while the previous one is copied to the device.
 STAGE_BLOCK_BYTES = 1 << 26
 
-def join_capacity(budget: int, n: int, dim: int, element_size: int, p: BuildParams, rows_per_shard: int) -> int:
-    """Rows a join chunk may read within ``budget``: the rows alone, once the largest chunk's
-    candidates and the mark per row are set aside; at least what a shard holds. Joins read the
-    rows their chunk names, so the more fit, the more the chunks' rows overlap: 10M x 1024
-    in 8 GB read 160M rows for 8.85M joined at the shards' 1.5M, 113M at twice that (one H100)."""
-    spare = budget - (n + 1) - JOIN_CHUNK_ROWS * 2 * p.degree * JOIN_BYTES_PER_CANDIDATE
-    return min(n, max(rows_per_shard, spare // (dim * element_size)))
+def join_chunk_rows(budget: int, p: BuildParams) -> int:
+    """The most rows a join chunk takes: JOIN_CHUNK_ROWS, or fewer where their candidates would
+    take more than half of ``budget``."""
+    return max(1, min(JOIN_CHUNK_ROWS, budget // (2 * 2 * p.degree * JOIN_BYTES_PER_CANDIDATE)))
+
+
+def join_capacity(budget: int, n: int, dim: int, element_size: int, p: BuildParams, metric: str = "l2") -> int:
+    """Rows a join chunk may read within ``budget``: the rows alone (with the copy a cosine prune
+    makes of them, ``memory.row_bytes``), once the largest chunk's candidates
+    (:func:`join_chunk_rows`) and the mark per row are set aside; at least the rows one row's
+    join reads. Joins read the rows their chunk names, so the more fit, the more the chunks' rows
+    overlap: 10M x 1024 in 8 GB read 160M rows for 8.85M joined at the shards' 1.5M, 113M at
+    twice that (one H100). Once the floor was a shard's rows, whose chunk's candidates then took
+    the budget's rest and more in budgets under 3 GB at 1 024 dimensions."""
+    spare = budget - (n + 1) - join_chunk_rows(budget, p) * 2 * p.degree * JOIN_BYTES_PER_CANDIDATE
+    return min(n, max(2 * p.degree + 1, spare // row_bytes(dim, element_size, metric)))
 
 
 def _prepared(rows: Tensor, metric: str) -> Tensor:
@@ -101,15 +115,22 @@ def _prepared(rows: Tensor, metric: str) -> Tensor:
     return torch.nn.functional.normalize(rows, dim=1) if metric == "cosine" else rows
 
 
-def _centroids(train: Tensor, cells: int) -> Tensor:
+def _plan_floats(budget: Optional[int]) -> int:
+    """Floats each of the plan's larger tensors may take (see ASSIGN_CHUNK_SCORES)."""
+    if budget is None:
+        return ASSIGN_CHUNK_SCORES
+    return max(1 << 12, min(ASSIGN_CHUNK_SCORES, budget // PLAN_BUDGET_SHARE))
+
+
+def _centroids(train: Tensor, cells: int, floats: int = ASSIGN_CHUNK_SCORES) -> Tensor:
     """float32 [c, D], c <= cells: k-means centroids of ``train`` (prepared rows on the device, at
     least ``cells`` of them), starting from its first ``cells`` rows. Cells left with no rows
     (repeated starting rows among them) are dropped, but two are always kept: an empty cell's
     centroid would be every row's second cell at no distance. Sums go through matrix products,
     not atomic adds, so the plan is the same from run to run; the rows go in blocks whose scores
-    and assignments take at most ASSIGN_CHUNK_SCORES floats."""
+    and assignments take at most ``floats`` floats."""
     centroids = train[:cells].clone()
-    block = max(1, ASSIGN_CHUNK_SCORES // (2 * cells))
+    block = max(1, floats // (2 * cells))
     for _ in range(LLOYD_ITERS):
         norms = centroids.pow(2).sum(1)
         sums, counts = torch.zeros_like(centroids), torch.zeros(cells, dtype=train.dtype, device=train.device)
@@ -132,12 +153,13 @@ class _Nearness(NamedTuple):
 
 
 def _nearness(data: Tensor, centroids: Tensor, origin: Tensor, probes: Tensor, metric: str,
-              device: torch.device) -> _Nearness:
+              device: torch.device, floats: int = ASSIGN_CHUNK_SCORES) -> _Nearness:
     """One pass over the rows (squared l2 on prepared rows, see :class:`_Nearness`). The margin is
     the distance from the row to the hyperplane halfway between its two cells' centroids. Rows
     and ``centroids`` are taken relative to ``origin`` (the training rows' mean): the scores are
     differences of squared norms, which lose their digits far from the origin (clustered rows
-    moved 1000 away shared 35% of the rows instead of 3.6%)."""
+    moved 1000 away shared 35% of the rows instead of 3.6%). A pass's rows and their scores take at
+    most ``floats`` floats each."""
     n, cells = data.shape[0], centroids.shape[0]
     nearest = torch.empty(n, 2, dtype=torch.int64)
     margin = torch.empty(n, dtype=torch.float32)
@@ -147,7 +169,7 @@ def _nearness(data: Tensor, centroids: Tensor, origin: Tensor, probes: Tensor, m
     # Per probe, |row|^2 - 2 <probe, row> ranks rows as their distance to it does.
     best = torch.empty(probes.numel(), 0, device=device)
     best_ids = torch.empty(probes.numel(), 0, dtype=torch.int64, device=device)
-    chunk = max(1, min(ASSIGN_CHUNK_ROWS, ASSIGN_CHUNK_SCORES // (cells + probes.numel())))
+    chunk = max(1, min(ASSIGN_CHUNK_ROWS, floats // (cells + probes.numel()), floats // max(1, data.shape[1])))
     for start in range(0, n, chunk):
         rows = _prepared(data[start:start + chunk].to(device, non_blocking=True), metric) - origin
         scores, ids = torch.addmm(centroid_norms, rows, centroids.t(), alpha=-2).topk(2, dim=1, largest=False)
@@ -224,23 +246,26 @@ def _split_large_cells(cell: Tensor, is_centre: Tensor, cells: int, capacity: in
     return group, torch.tensor(origin, dtype=torch.int64)
 
 
-def plan_shards(data: Tensor, rows_per_shard: int, metric: str, device: torch.device, seed: int) -> ShardPlan:
-    """Which rows each shard holds; see :class:`ShardPlan` and the module doc."""
+def plan_shards(data: Tensor, rows_per_shard: int, metric: str, device: torch.device, seed: int,
+                budget: Optional[int] = None) -> ShardPlan:
+    """Which rows each shard holds; see :class:`ShardPlan` and the module doc. ``budget``: the
+    device bytes the plan may take (ASSIGN_CHUNK_SCORES); None: its full passes."""
     n = data.shape[0]
+    floats = _plan_floats(budget)
     generator = torch.Generator().manual_seed(seed)
     most_shards = max(2, math.ceil(n / (PRIMARY_SHARE * rows_per_shard)))
     sample = torch.randperm(n, generator=generator)
     cells = min(n, most_shards * CELLS_PER_SHARD)
     centres = min(max(cells * CENTRES_PER_CELL, n // ROWS_PER_CENTRE), rows_per_shard // 4)
     centre_ids = torch.cat([sample[:centres], torch.ops.grnnd.hub_ids(data[:, :1]).cpu()]).unique()
-    # At most ASSIGN_CHUNK_SCORES floats of training rows (256 MiB), and at least one a cell.
-    training = max(cells, min(cells * TRAIN_ROWS_PER_CELL, ASSIGN_CHUNK_SCORES // data.shape[1]))
+    # At most `floats` floats of training rows (256 MiB), and at least one a cell.
+    training = max(cells, min(cells * TRAIN_ROWS_PER_CELL, floats // data.shape[1]))
     train = _prepared(data[sample[:training].to(data.device)].to(device), metric)
     origin = train.mean(0)
-    centroids = _centroids(train.sub_(origin), cells)  # train is a copy of the rows
+    centroids = _centroids(train.sub_(origin), cells, floats)  # train is a copy of the rows
     del train
     probes = sample[-min(n, PROBES):]
-    nearness = _nearness(data, centroids, origin, probes, metric, device)
+    nearness = _nearness(data, centroids, origin, probes, metric, device, floats)
     near_border = nearness.margin <= _share_margin(nearness, probes)
     is_centre = torch.zeros(n, dtype=torch.bool)
     is_centre[centre_ids] = True
@@ -278,10 +303,11 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
     budget = parse_bytes(max_memory) if max_memory is not None else free_bytes(device)
     params = within_budget(params)
     n, dim = data.shape
-    rows_per_shard = budget // bytes_per_row(dim, data.element_size(), params)
+    per_row = shard_bytes_per_row(dim, data.element_size(), params, metric)
+    rows_per_shard = budget // per_row
     if rows_per_shard < 2 * params.pool_size:
         raise ValueError(f"max_gpu_memory: {budget} bytes hold only {rows_per_shard} rows of this build "
-                         f"({bytes_per_row(dim, data.element_size(), params)} bytes a row); give it more")
+                         f"({per_row} bytes a row); give it more")
     if n <= rows_per_shard:
         return ops.build(data.to(device), params, metric=metric, progress=progress).to(data.device)
     report, close = steps_reporter(progress, "out-of-core build (rows built in shards, then rows joined)")
@@ -292,7 +318,7 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
         try:
             started = time.perf_counter()
             members, primary, secondary, centre_ids, cell = plan_shards(data, rows_per_shard, metric, device,
-                                                                        params.seed)
+                                                                        params.seed, budget)
             logger.info("out-of-core build: %d shards of at most %d rows, %.0f%% of rows in two, planned in %.2f s",
                         len(members), rows_per_shard, 100 * float((secondary >= 0).float().mean()),
                         time.perf_counter() - started)
@@ -300,8 +326,9 @@ def build_in_shards(data: Tensor, params: BuildParams, metric: str, device: Unio
             steps = _Steps(report, sum(m.numel() for m in members) + shared_rows.numel())
             graph, second_graph, slot = _build_shards(data, loader, members, primary, secondary, centre_ids,
                                                       shared_rows, params, metric, device, steps)
-            capacity = join_capacity(budget, n, dim, data.element_size(), params, rows_per_shard)
-            _join_shared(loader, graph, second_graph, slot, shared_rows, capacity, params, metric, device, steps)
+            capacity = join_capacity(budget, n, dim, data.element_size(), params, metric)
+            _join_shared(loader, graph, second_graph, slot, shared_rows, capacity, join_chunk_rows(budget, params),
+                         params, metric, device, steps)
         finally:
             close()
     return graph.to(data.device)
@@ -356,11 +383,13 @@ def _build_shards(data: Tensor, loader: "_RowLoader", members: List[Tensor], pri
 
 
 def _join_shared(loader: "_RowLoader", graph: Tensor, second_graph: Tensor, slot: Tensor, shared_rows: Tensor,
-                 capacity: int, params: BuildParams, metric: str, device: torch.device, steps: _Steps) -> None:
+                 capacity: int, chunk_rows: int, params: BuildParams, metric: str, device: torch.device,
+                 steps: _Steps) -> None:
     """Each row two shards hold gets, in ``graph``, the rule's choice among its two rows, a chunk
-    of rows at a time (the rows a chunk reads at most ``capacity``)."""
+    of at most ``chunk_rows`` rows at a time (the rows a chunk reads at most ``capacity``)."""
     started = time.perf_counter()
-    for part, candidates, needed in _join_chunks(shared_rows, graph, second_graph, slot, capacity, device):
+    chunks = _join_chunks(shared_rows, graph, second_graph, slot, capacity, device, chunk_rows)
+    for part, candidates, needed in chunks:
         graph[part] = _join(loader.rows(needed), needed, part.to(device), candidates, params, metric)
         steps.add(part.numel())
     logger.info("out-of-core build: %d shared rows joined in %.2f s", shared_rows.numel(),
@@ -404,11 +433,11 @@ def _shared_by_cell(secondary: Tensor, cell: Tensor) -> Tensor:
 
 
 def _join_chunks(shared: Tensor, graph: Tensor, second_graph: Tensor, slot: Tensor, capacity: int,
-                 device: torch.device) -> Iterator[Tuple[Tensor, Tensor, Tensor]]:
+                 device: torch.device, chunk_rows: int = JOIN_CHUNK_ROWS) -> Iterator[Tuple[Tensor, Tensor, Tensor]]:
     """``(part, candidates, needed)`` for consecutive chunks of the shared rows: ``part`` the rows
     joined (int64, on the host), ``candidates`` their two rows side by side (int32 [m, 2 x
     degree], global ids, on ``device``), ``needed`` (int64, ascending, on ``device``) the rows a
-    join of them reads, at most ``capacity``.
+    join of them reads, at most ``capacity``; at most ``chunk_rows`` rows a chunk.
 
     Only these rows are copied in, not the two shards of each row (10M x 1024 in 14 shards: the
     joins of 8.8M rows copied 91 pairs of shards of 1.3M rows each and took 26 s; now 12.7 s).
@@ -416,7 +445,7 @@ def _join_chunks(shared: Tensor, graph: Tensor, second_graph: Tensor, slot: Tens
     it took 21-24 s of joins that then took 33-38 s."""
     n = graph.shape[0]
     mark = torch.zeros(n + 1, dtype=torch.bool, device=device)  # the last place takes the -1 padding
-    most = max(1, min(JOIN_CHUNK_ROWS, capacity // 4))
+    most = max(1, min(chunk_rows, capacity // 4))
     start, take = 0, most
     while start < shared.numel():
         part = shared[start:start + take]
@@ -529,6 +558,9 @@ class _RowLoader:
                     rows = self._to_device(host_rows)
                 pending = self.worker.submit(next_batch)
                 yield rows, ids, payload
+                # Dropped before the next batch's rows come in: held here, two shards' rows were
+                # on the device at once.
+                del rows
         finally:
             pending.cancel()
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .memory import bytes_per_row, free_bytes, parse_bytes, within_budget
+from .memory import free_bytes, parse_bytes, shard_bytes_per_row, within_budget
 from .params import BuildParams, SearchParams
 from .progress import Progress, steps_reporter
 from .index import check_state
@@ -85,7 +85,7 @@ class SwappingIndex:
             if max_gpu_memory is None and device.type != "cuda":
                 raise ValueError("SwappingIndex.build: give shard_rows or max_gpu_memory on the CPU")
             budget = parse_bytes(max_gpu_memory) if max_gpu_memory is not None else free_bytes(device)
-            shard_rows = budget // swapping_bytes_per_row(data.shape[1], data.element_size(), shard_params)
+            shard_rows = budget // swapping_bytes_per_row(data.shape[1], data.element_size(), shard_params, metric)
             if shard_rows < 2 * params.pool_size:
                 raise ValueError(f"max_gpu_memory: {budget} bytes hold only {shard_rows} rows of a shard; "
                                  "give it more")
@@ -187,6 +187,6 @@ class SwappingIndex:
                 f"metric={self.metric!r}, device={self.device})")
 
 
-def swapping_bytes_per_row(dim: int, element_size: int, p: BuildParams) -> int:
+def swapping_bytes_per_row(dim: int, element_size: int, p: BuildParams, metric: str = "l2") -> int:
     """Device bytes a shard needs per row: its build, or two shards' rows and graphs at search."""
-    return max(bytes_per_row(dim, element_size, p), 2 * (dim * element_size + p.degree * 4))
+    return max(shard_bytes_per_row(dim, element_size, p, metric), 2 * (dim * element_size + p.degree * 4))

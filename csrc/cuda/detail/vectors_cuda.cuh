@@ -31,8 +31,11 @@ constexpr int kWarpSize = 32;
 //
 // Cosine rows are normalised a block of kNormaliseElements at a time into the one copy: done on
 // the whole, its float32 steps took 10 bytes an element beside the rows (100 GB for 10M x 1 024
-// float16 rows), far past the copy that memory.bytes_per_row counts.
-constexpr int64_t kNormaliseElements = int64_t(1) << 26;  // 256 MB a float32 step
+// float16 rows), far past the copy that memory.bytes_per_row counts. A block's two float32
+// steps take 32 MB: blocks of 2^26 elements took 512 MB whatever the rows, which builds within
+// a small budget felt (shards of about 33 000 x 1 024 float16 rows built under cosine peaked at
+// 381-400 MiB, under l2 at 73-97 MiB; one H200).
+constexpr int64_t kNormaliseElements = int64_t(1) << 22;  // 16 MB a float32 step
 
 inline at::Tensor prepare_vectors(const at::Tensor& x, Metric metric) {
   at::Tensor out = x.scalar_type() == at::kDouble ? x.to(at::kFloat) : x;
