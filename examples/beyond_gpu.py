@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import torch_grnnd as grnnd
-from torch_grnnd import out_of_core
+from torch_grnnd import memory
 
 
 def write_rows(path: str, n: int, dim: int, clusters: int, chunk: int, seed: int = 0) -> torch.Tensor:
@@ -70,7 +70,7 @@ def main() -> int:
     args = p.parse_args()
     if args.smoke:
         args.n, args.dim, args.queries = 20_000, 32, 200
-        args.budget = 5000 * out_of_core.bytes_per_row(args.dim, 2, grnnd.BuildParams())
+        args.budget = 5000 * memory.shard_bytes_per_row(args.dim, 2, grnnd.BuildParams())
     device = torch.device(args.device)
 
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
@@ -79,7 +79,7 @@ def main() -> int:
         # Copy-on-write map: a writable tensor whose changes (none here) never reach the file.
         rows = torch.from_numpy(np.load(path, mmap_mode="c"))
         print(f"{args.n:,} x {args.dim} float16 rows in {path} ({os.path.getsize(path) / 2**30:.2f} GiB), "
-              f"building on {device} within {out_of_core.parse_bytes(args.budget) / 2**20:.0f} MiB")
+              f"building on {device} within {memory.parse_bytes(args.budget) / 2**20:.0f} MiB")
 
         reports = []
         start = time.perf_counter()

@@ -11,7 +11,7 @@ import time
 import torch
 
 import torch_grnnd as grnnd
-from torch_grnnd import out_of_core as out_of_core_build
+from torch_grnnd import memory
 
 
 def basics(g: torch.Generator):
@@ -206,7 +206,7 @@ def out_of_core(g: torch.Generator):
         torch.ops.grnnd.gather_rows(host[1:], ids)
     # A build in shards from host rows: read by the GPU (pinned) and through the staging buffer.
     rows = torch.randn(6000, 24).half()
-    budget = 1500 * out_of_core_build.bytes_per_row(24, 2, grnnd.BuildParams())
+    budget = 1500 * memory.shard_bytes_per_row(24, 2, grnnd.BuildParams())
     for host in (rows.pin_memory(), rows):
         graph = grnnd.build(host, device="cuda", max_gpu_memory=budget, outer_iters=2, inner_iters=2)
     # A search of pinned host rows (hubs gathered by the GPU), whole and split into several searches.
