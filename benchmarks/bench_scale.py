@@ -38,7 +38,10 @@ recall@10 of both query sets against exact results (torch_grnnd.knn) and queries
 (hub_entries=0), the distances a query computes at each list (and HNSW's, for comparisons at
 equal work), recall at list 64 by the size of the query's cluster with the share of results in
 that cluster (lost between clusters, or inside a large one), and the peak GPU memory of the
-build beyond the data. Writes scale_<name>.{json,md,png} (the PNG: recall at list 64 against N
+build beyond the data. Every build of a set after its first is also compared with the first at
+equal recall: its queries/s where it reaches the recall the first reaches at each list (a wider
+graph reaches a recall at a shorter list, so equal lists are unequal work). Writes
+scale_<name>.{json,md,png} (the PNG: recall at list 64 against N
 per family, both query sets, with faiss HNSW where --hnsw asked for it).
 """
 import argparse
@@ -51,7 +54,7 @@ import torch
 import torch_grnnd as grnnd
 from benchmarks.common import cuda_time, parse_settings
 from benchmarks.datasets import by_cluster_size, make_rare_queries, make_set, parse_sets, sizes_text
-from benchmarks.report import machine, machine_line
+from benchmarks.report import machine, machine_line, qps_at_recall
 from torch_grnnd.params import BuildParams
 
 LISTS = (32, 64, 128)  # list sizes measured by default; 64 is the one the PNG and the issue compare
@@ -135,6 +138,22 @@ def describe(settings: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
 
 
+def ratio_text(value: float) -> str:
+    return f"{value:.2f}x" if value == value else "-"
+
+
+def at_equal_recall(first: dict, other: dict) -> dict:
+    """Queries/s of ``other``'s build against ``first``'s (two rows of one set) where both reach the
+    recall ``first`` reached at each of its lists: ``other``'s curve (in queries, hub entries) read
+    log-linearly between its lists, as a ratio. NaN where ``other``'s curve does not span that
+    recall: never reached, or passed already at its shortest list (its speed there was not
+    measured). A wider graph reaches a recall at a shorter list, so equal lists are unequal work."""
+    curve = [{"recall": other["recall"][size], "qps": other["recall_qps"][size]} for size in other["recall"]]
+    lowest = min(point["recall"] for point in curve)
+    return {size: (qps_at_recall(curve, first["recall"][size]) / first["recall_qps"][size]
+                   if first["recall"][size] >= lowest else float("nan")) for size in first["recall"]}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     families = ("blobs", "zipf", "zipf_aniso", "zipf_tiny")
@@ -160,9 +179,13 @@ def main():
         rare_queries, rare_labels = make_rare_queries(family, n, d)
         rare = (rare_queries, grnnd.knn(base, rare_queries, 10)[1], rare_labels)
         grnnd.build(base[:50_000])  # warm-up: kernels loaded, allocator primed
+        row_of_set = []  # this set's builds, the first the one the others are compared with
         for text in args.builds:
             settings = parse_settings(text)
             row = {"family": family, "n": n, "d": d, **measure(base, queries, truth, settings, lists, labels, rare)}
+            if row_of_set:
+                row["qps_at_equal_recall"] = at_equal_recall(row_of_set[0], row)
+            row_of_set.append(row)
             rows.append(row)
             print(f"{family} {n:>10,} x {d:<5} {describe(settings):<50} build {row['build_s']:7.3f} s, "
                   f"{row['rounds']:2d} rounds, peak extra {row['peak_extra_bytes'] / 2**20:,.0f} MiB "
@@ -181,6 +204,11 @@ def main():
                     print(f"    {kind} queries, clusters of {sizes_text(group['sizes'])} rows: {group['queries']} queries, "
                           f"recall@10 list 64 {group['recall']:.3f}, results in the query's cluster "
                           f"{group['in_own_cluster']:.3f}", flush=True)
+            if "qps_at_equal_recall" in row:
+                print(f"    queries/s against {describe(row_of_set[0]['build'])} at the recall it reaches at list "
+                      f"{'/'.join(map(str, lists))}: "
+                      + "/".join(map(ratio_text, row["qps_at_equal_recall"].values())),
+                      flush=True)
         if f"{family}:{n}x{d}" in args.hnsw.split(","):
             ref = hnsw_reference(base, queries, truth, lists)
             rows.append({"family": family, "n": n, "d": d, "hnsw": ref})
@@ -241,6 +269,22 @@ def write(rows, args):
                      + " / ".join(f"{r['distances_per_query'][s]:,.0f}" for s in lists) + " |")
     if len(clusters) > 5:
         lines += clusters
+    compared = [r for r in rows if "qps_at_equal_recall" in r]
+    if compared:
+        lines += ["", "Queries/s (batch 10 000, in queries) against the set's first build where both reach the "
+                  "recall the first reaches at each list (the other's curve read log-linearly between its lists; "
+                  "-: outside the other's curve, never reached or passed at its shortest list), and the unfound "
+                  "shares each build measured between its outer iterations:",
+                  "", f"| data | N | D | build | against | at list {' / '.join(map(str, lists))} | "
+                  "measured in the build |",
+                  "|---|---:|---:|---|---|---|---|"]
+        for r in compared:
+            first = next(f for f in rows if (f["family"], f["n"], f["d"]) == (r["family"], r["n"], r["d"]))
+            lines.append(f"| {r['family']} | {r['n']:,} | {r['d']} | {describe(r['build'])} | "
+                         f"{describe(first['build'])} | "
+                         + " / ".join(map(ratio_text, r["qps_at_equal_recall"].values())) + " | "
+                         + " ".join(f"{u:.4f}" for u in r["build_unfound"]) + " (first: "
+                         + (" ".join(f"{u:.4f}" for u in first["build_unfound"]) or "-") + ") |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     plot(results, base + ".png")

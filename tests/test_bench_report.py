@@ -64,6 +64,27 @@ def test_runs_of_other_gpus_are_not_compared(run):
         regressions(run, other)
 
 
+def test_builds_of_a_scale_set_are_compared_at_equal_recall():
+    # benchmarks/bench_scale.py: a wider graph reaches each recall at a shorter list; its speed is
+    # read off its own curve where the first build's recall lies, and left out where its curve
+    # does not span that recall (passed at its shortest list, or never reached).
+    from benchmarks.bench_scale import at_equal_recall, ratio_text
+
+    def curve(recalls, qps):
+        return {"recall": dict(zip((32, 64, 128, 256), recalls)), "recall_qps": dict(zip((32, 64, 128, 256), qps))}
+
+    first = curve((0.60, 0.70, 0.80, 0.95), (4e6, 2e6, 1e6, 0.5e6))
+    wider = curve((0.70, 0.80, 0.90, 0.94), (3e6, 1.5e6, 0.6e6, 0.3e6))
+    ratios = at_equal_recall(first, wider)
+    assert ratios[32] != ratios[32]  # 0.60: passed at the wider graph's shortest list
+    assert ratios[64] == pytest.approx(3e6 / 2e6)  # 0.70: the wider graph's list 32
+    assert ratios[128] == pytest.approx(1.5e6 / 1e6)
+    assert ratios[256] != ratios[256]  # 0.95: never reached
+    assert [ratio_text(v) for v in ratios.values()] == ["-", "1.50x", "1.50x", "-"]
+    between = at_equal_recall(curve((0.75, 0.75, 0.75, 0.75), (1e6,) * 4), wider)
+    assert between[32] == pytest.approx((3e6 * 1.5e6) ** 0.5 / 1e6)  # halfway between 0.70 and 0.80, log-linear
+
+
 def test_scale_families_and_their_rare_queries():
     # benchmarks/bench_scale.py: zipf_aniso rows come from clusters of Zipf sizes, each with noise
     # scales of its own per dimension; the rare queries come from clusters chosen uniformly.
