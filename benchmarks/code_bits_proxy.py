@@ -11,6 +11,13 @@ per row (the best of 60 multiples of the row's RMS by the cosine of levels and r
 signs), the estimate |q - c_j|^2 + |r|^2 - 2 alpha <v, P (q - c_j)> in float32. A graph search
 re-ranks its final list the same way, so a code that needs twice R here needs about twice the
 list there. A proxy on the CPU: no search kernel runs.
+
+``--transform`` adds codes that spend their bits where the residuals vary: the coordinates
+turned to the principal axes of the residuals (about their cells), each axis given 0-4 bits by
+greedy reverse water-filling (the next bit to the axis whose quantisation error, variance x
+4^-bits, is largest) within a budget of bytes a row, coded with a step per row times a step per
+axis (the axis's spread over its levels); the same estimate. ``--data FILE.pt`` reads real
+embeddings ({"base", "queries"}, benchmarks/embed_cpu.py).
 """
 import argparse
 
@@ -31,30 +38,67 @@ def rows_and_queries(kind: str, n: int, d: int, nq: int, seed: int = 0):
     return x[:n].contiguous(), x[n:].contiguous()
 
 
-def levels(r: torch.Tensor, bits: int) -> torch.Tensor:
-    """v (levels less their half range) of each row of r, the step chosen per row."""
-    if bits == 1:
+def levels(r: torch.Tensor, bits, spread=None) -> torch.Tensor:
+    """v (levels less their half range) of each row of r, the step chosen per row; ``bits`` one
+    count for every coordinate, or a [D] tensor of counts (0: the coordinate is dropped) with
+    ``spread`` [D] the coordinates' standard deviations: an axis's step is then its spread over
+    its levels, times the row's multiple. Returned in units of the row's step (times the axis's
+    step where steps differ), which the estimate's alpha rescales."""
+    if isinstance(bits, int) and bits == 1:
         return torch.sign(r) * 0.5
-    top = 2 ** bits - 1
+    top = (2.0 ** torch.as_tensor(bits, dtype=torch.float32) - 1) * torch.ones(r.shape[1])
     norm = r.norm(dim=1)
-    rms = (norm / r.shape[1] ** 0.5).clamp_min(1e-30)
+    if spread is None:
+        step, row = torch.ones(r.shape[1]), (norm / r.shape[1] ** 0.5).clamp_min(1e-30)
+    else:
+        # A spread-less axis (rows of lower rank) keeps a finite step: its levels are 0.
+        step = (spread / top.clamp_min(1)).clamp_min(1e-6 * float(spread.max()))
+        row = (norm / float(spread.square().sum()) ** 0.5).clamp_min(1e-30) * 4  # about +-2 spreads at 1x
     best_cos, best = torch.full((r.shape[0],), -2.0), torch.zeros_like(r)
     for multiple in torch.linspace(0.05, 3.0, 60):
-        v = (r / (rms * multiple)[:, None] + top / 2).round().clamp(0, top) - top / 2
+        v = (r / (row * multiple)[:, None] / step + top / 2).round().clamp_min(0)
+        v = (torch.minimum(v, top) - top / 2) * step
         cos = (v * r).sum(1) / (v.norm(dim=1) * norm).clamp_min(1e-30)
         better = cos > best_cos
         best_cos, best[better] = torch.where(better, cos, best_cos), v[better]
     return best
 
 
+def water_filling(variance: torch.Tensor, budget_bits: int, most: int = 4) -> torch.Tensor:
+    """Bits per axis, 0 to ``most``, summing to ``budget_bits``: each next bit to the axis whose
+    quantisation error (variance x 4^-bits) is largest."""
+    bits = torch.zeros(variance.shape[0], dtype=torch.long)
+    error = variance.clone().double()
+    for _ in range(min(budget_bits, most * variance.shape[0])):
+        axis = int(error.argmax())
+        bits[axis] += 1
+        error[axis] = -1.0 if bits[axis] == most else error[axis] / 4
+    return bits
+
+
+def recall_by_candidates(estimate, exact, truth, lists) -> list:
+    found = []
+    for size in lists:
+        candidates = estimate.topk(size, largest=False).indices
+        best = candidates.gather(1, exact.gather(1, candidates).topk(10, largest=False).indices)
+        found.append((best[:, :, None] == truth[:, None, :]).any(-1).float().mean().item())
+    return found
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="clustered", choices=["clustered", "lowrank"])
+    p.add_argument("--data", default="clustered", help="clustered, lowrank, or a .pt file of embeddings")
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--queries", type=int, default=300)
+    p.add_argument("--transform", default="", help="comma-separated budgets in bytes of codes a row, e.g. 176,144")
     args = p.parse_args()
-    base, queries = rows_and_queries(args.data, args.rows, args.dim, args.queries)
+    if args.data.endswith(".pt"):
+        blob = torch.load(args.data)
+        base = blob["base"][:args.rows].float().contiguous()
+        queries = blob["queries"][:args.queries].float().contiguous()
+    else:
+        base, queries = rows_and_queries(args.data, args.rows, args.dim, args.queries)
     cells = codes._Int4Cells(codes.fit_grid(base, "l2", kind="int4"), "l2")
     cell = codes._nearest(base, cells.centres)
     r = ((base.double() - cells.centres[cell]) @ cells.rotation).float()
@@ -62,20 +106,33 @@ def main():
     truth = exact.topk(10, largest=False).indices
     about = (queries.double()[:, None, :] - cells.centres[None]).float()  # q - c_j, every cell
     turned = about @ cells.rotation.float()
-    print(f"{args.data} {args.rows} x {args.dim}, {cells.centres.shape[0]} cells, {args.queries} queries")
+    dim = base.shape[1]
+    print(f"{args.data} {base.shape[0]} x {dim}, {cells.centres.shape[0]} cells, {queries.shape[0]} queries")
     lists = (10, 16, 32, 64, 128, 256)
+
+    def estimate_of(res, v, turned_queries):
+        alpha = res.square().sum(1) / (v * res).sum(1)
+        return torch.stack([about[i, cell].square().sum(1) + res.square().sum(1)
+                            - 2 * alpha * (v * turned_queries[i, cell]).sum(1) for i in range(len(queries))])
+
     for bits in (4, 3, 2, 1):
-        v = levels(r, bits)
-        alpha = r.square().sum(1) / (v * r).sum(1)
-        estimate = torch.stack([about[i, cell].square().sum(1) + r.square().sum(1)
-                                - 2 * alpha * (v * turned[i, cell]).sum(1) for i in range(len(queries))])
-        found = []
-        for size in lists:
-            candidates = estimate.topk(size, largest=False).indices
-            best = candidates.gather(1, exact.gather(1, candidates).topk(10, largest=False).indices)
-            found.append((best[:, :, None] == truth[:, None, :]).any(-1).float().mean().item())
-        print(f"{bits} bits ({bits * args.dim // 8} B of codes a row): "
+        found = recall_by_candidates(estimate_of(r, levels(r, bits), turned), exact, truth, lists)
+        print(f"{bits} bits ({bits * dim // 8} B of codes a row): "
               + " ".join(f"R {size} {rec:.3f}" for size, rec in zip(lists, found)), flush=True)
+    if args.transform:
+        variance, axes = torch.linalg.eigh(r.double().T @ r.double() / r.shape[0])
+        variance, axes = variance.flip(0).clamp_min(0).float(), axes.flip(1).float()  # largest first
+        r_axes, turned_axes = r @ axes, turned @ axes
+        share = variance.cumsum(0) / variance.sum()
+        print(f"residual variance on the first 10% / 25% / 50% of the axes: {share[dim // 10 - 1]:.2f} / "
+              f"{share[dim // 4 - 1]:.2f} / {share[dim // 2 - 1]:.2f}")
+        for budget in (int(b) for b in args.transform.split(",")):
+            bits = water_filling(variance, 8 * budget)
+            v = levels(r_axes, bits, variance.sqrt())
+            found = recall_by_candidates(estimate_of(r_axes, v, turned_axes), exact, truth, lists)
+            counts = " ".join(f"{int((bits == b).sum())} x {b}" for b in range(4, -1, -1) if (bits == b).any())
+            print(f"transform, {budget} B of codes a row ({counts} bits): "
+                  + " ".join(f"R {size} {rec:.3f}" for size, rec in zip(lists, found)), flush=True)
 
 
 if __name__ == "__main__":

@@ -260,3 +260,21 @@ def test_latest_result_is_the_newest_of_the_same_data_gpu_and_build(tmp_path):
     assert latest_result(str(tmp_path), run) == newest
     assert latest_result(str(tmp_path), {**run, "build": {"params": {"degree": 32}}}) == str(tmp_path / "gpu_d.json")
     assert latest_result(str(tmp_path), {**run, "machine": {"gpu": "NVIDIA B200"}}) is None
+
+
+def test_the_code_bits_proxy_spends_its_bits_where_the_rows_vary():
+    # benchmarks/code_bits_proxy.py --transform: every bit of the budget placed, none beyond four
+    # an axis, more to the axes of more variance; axes without bits or spread code to 0, finitely.
+    from benchmarks.code_bits_proxy import levels, water_filling
+
+    variance = torch.tensor([4.0, 1.0, 0.25, 0.0])
+    bits = water_filling(variance, 7)
+    assert int(bits.sum()) == 7 and int(bits.max()) <= 4
+    assert bits.tolist() == sorted(bits.tolist(), reverse=True) and bits[0] > bits[2]
+    assert water_filling(variance, 100).tolist() == [4, 4, 4, 4]
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(200, 4, generator=g) * variance.sqrt()
+    v = levels(r, water_filling(variance, 6), variance.sqrt())
+    assert torch.isfinite(v).all() and (v[:, 3] == 0).all()
+    cos = (v * r).sum(1) / (v.norm(dim=1) * r.norm(dim=1))
+    assert float(cos.mean()) > 0.9
