@@ -13,10 +13,12 @@ re-ranks its final list the same way, so a code that needs twice R here needs ab
 list there. A proxy on the CPU: no search kernel runs.
 
 ``--transform`` adds codes that spend their bits where the residuals vary: the coordinates
-turned to the principal axes of the residuals (about their cells), each axis given 0-4 bits by
-greedy reverse water-filling (the next bit to the axis whose quantisation error, variance x
-4^-bits, is largest) within a budget of bytes a row, coded with a step per row times a step per
-axis (the axis's spread over its levels); the same estimate. ``--data FILE.pt`` reads real
+turned to the principal axes of the residuals (about their cells), each axis given 0-4 bits
+within a budget of bytes a row, by greedy reverse water-filling (the next bit to the axis whose
+quantisation error, variance x 4^-bits, is largest) and, where the budget lies between 3 and 4
+bits a coordinate, by two levels (the leading axes 4 bits, the rest 3); then a random rotation
+within each group of axes of equal bits (``--axes-only``: none), coded with a step per row times
+a step per group (its spread over its levels); the same estimate. ``--data FILE.pt`` reads real
 embeddings ({"base", "queries"}, benchmarks/embed_cpu.py).
 """
 import argparse
@@ -76,6 +78,28 @@ def water_filling(variance: torch.Tensor, budget_bits: int, most: int = 4) -> to
     return bits
 
 
+def group_rotation(bits: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    """A random rotation within each group of axes that share a bit count (block-diagonal in
+    the axes' order): inside a group the coordinates become alike and near Gaussian, as int4's
+    rotation makes all of them, while the groups keep the bits the allocation gave them."""
+    g = torch.Generator().manual_seed(seed)
+    turn = torch.zeros(bits.shape[0], bits.shape[0])
+    for count in bits.unique():
+        idx = (bits == count).nonzero().flatten()
+        q, _ = torch.linalg.qr(torch.randn(len(idx), len(idx), generator=g, dtype=torch.float64))
+        turn[idx[:, None], idx[None, :]] = q.float()
+    return turn
+
+
+def group_spread(variance: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Each axis's spread after group_rotation: the root of its group's mean variance."""
+    spread = torch.empty_like(variance)
+    for count in bits.unique():
+        idx = bits == count
+        spread[idx] = variance[idx].mean().sqrt()
+    return spread
+
+
 def recall_by_candidates(estimate, exact, truth, lists) -> list:
     found = []
     for size in lists:
@@ -92,6 +116,7 @@ def main():
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--queries", type=int, default=300)
     p.add_argument("--transform", default="", help="comma-separated budgets in bytes of codes a row, e.g. 176,144")
+    p.add_argument("--axes-only", action="store_true", help="--transform without the rotation within bit groups")
     args = p.parse_args()
     if args.data.endswith(".pt"):
         blob = torch.load(args.data)
@@ -122,18 +147,22 @@ def main():
     if args.transform:
         variance, axes = torch.linalg.eigh(r.double().T @ r.double() / r.shape[0])
         variance, axes = variance.flip(0).clamp_min(0).float(), axes.flip(1).float()  # largest first
-        r_axes, turned_axes = r @ axes, turned @ axes
         share = variance.cumsum(0) / variance.sum()
         print(f"residual variance on the first 10% / 25% / 50% of the axes: {share[dim // 10 - 1]:.2f} / "
               f"{share[dim // 4 - 1]:.2f} / {share[dim // 2 - 1]:.2f}")
         for budget in (int(b) for b in args.transform.split(",")):
-            bits = water_filling(variance, 8 * budget)
-            v = levels(r_axes, bits, variance.sqrt())
-            found = recall_by_candidates(estimate_of(r_axes, v, turned_axes), exact, truth, lists)
-            counts = " ".join(f"{int((bits == b).sum())} x {b}" for b in range(4, -1, -1) if (bits == b).any())
-            print(f"transform, {budget} B of codes a row ({counts} bits): "
-                  + " ".join(f"R {size} {rec:.3f}" for size, rec in zip(lists, found)), flush=True)
-
+            allocations = [("water-filling", water_filling(variance, 8 * budget))]
+            if 3 * dim <= 8 * budget <= 4 * dim:  # the leading axes 4 bits, the rest 3
+                allocations.append(("two levels", (torch.arange(dim) < 8 * budget - 3 * dim).long() + 3))
+            for name, bits in allocations:
+                turn = axes if args.axes_only else axes @ group_rotation(bits).T
+                spread = variance.sqrt() if args.axes_only else group_spread(variance, bits)
+                r_turned, q_turned = r @ turn, turned @ turn
+                v = levels(r_turned, bits, spread)
+                found = recall_by_candidates(estimate_of(r_turned, v, q_turned), exact, truth, lists)
+                counts = " ".join(f"{int((bits == b).sum())} x {b}" for b in range(4, -1, -1) if (bits == b).any())
+                print(f"transform, {budget} B of codes a row, {name} ({counts} bits): "
+                      + " ".join(f"R {size} {rec:.3f}" for size, rec in zip(lists, found)), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -278,3 +278,11 @@ def test_the_code_bits_proxy_spends_its_bits_where_the_rows_vary():
     assert torch.isfinite(v).all() and (v[:, 3] == 0).all()
     cos = (v * r).sum(1) / (v.norm(dim=1) * r.norm(dim=1))
     assert float(cos.mean()) > 0.9
+    # The rotation within bit groups is orthogonal and mixes no two groups.
+    from benchmarks.code_bits_proxy import group_rotation, group_spread
+    bits = torch.tensor([4, 4, 3, 3, 3, 0])
+    turn = group_rotation(bits)
+    assert torch.allclose(turn @ turn.T, torch.eye(6), atol=1e-5)
+    assert (turn[:2, 2:] == 0).all() and (turn[2:5, :2] == 0).all() and (turn[2:5, 5:] == 0).all()
+    spread = group_spread(torch.tensor([4.0, 2.0, 1.0, 1.0, 4.0, 0.0]), bits)
+    assert torch.allclose(spread, torch.tensor([3.0, 3.0, 2.0, 2.0, 2.0, 0.0]).sqrt())
