@@ -179,13 +179,14 @@ def main():
         rare_queries, rare_labels = make_rare_queries(family, n, d)
         rare = (rare_queries, grnnd.knn(base, rare_queries, 10)[1], rare_labels)
         grnnd.build(base[:50_000])  # warm-up: kernels loaded, allocator primed
-        row_of_set = []  # this set's builds, the first the one the others are compared with
+        first = None  # this set's first build, which the others are compared with
         for text in args.builds:
             settings = parse_settings(text)
             row = {"family": family, "n": n, "d": d, **measure(base, queries, truth, settings, lists, labels, rare)}
-            if row_of_set:
-                row["qps_at_equal_recall"] = at_equal_recall(row_of_set[0], row)
-            row_of_set.append(row)
+            if first is None:
+                first = row
+            else:
+                row["qps_at_equal_recall"] = at_equal_recall(first, row)
             rows.append(row)
             print(f"{family} {n:>10,} x {d:<5} {describe(settings):<50} build {row['build_s']:7.3f} s, "
                   f"{row['rounds']:2d} rounds, peak extra {row['peak_extra_bytes'] / 2**20:,.0f} MiB "
@@ -205,7 +206,7 @@ def main():
                           f"recall@10 list 64 {group['recall']:.3f}, results in the query's cluster "
                           f"{group['in_own_cluster']:.3f}", flush=True)
             if "qps_at_equal_recall" in row:
-                print(f"    queries/s against {describe(row_of_set[0]['build'])} at the recall it reaches at list "
+                print(f"    queries/s against {describe(first['build'])} at the recall it reaches at list "
                       f"{'/'.join(map(str, lists))}: "
                       + "/".join(map(ratio_text, row["qps_at_equal_recall"].values())),
                       flush=True)
