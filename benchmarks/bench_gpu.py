@@ -62,15 +62,22 @@ def memory_bandwidth() -> float:
 
 
 def code_spec(spec: str):
-    """(kind, cells) of a --codes entry: "int8", "int4" (cells None: the default) or "int4@C"."""
+    """(kind, cells, coded_dims) of a --codes entry: "int8", "int4" (cells and coordinates None:
+    the defaults), "int4@C" (C cells), "int4/K" (K coordinates, K = D rounded up to 32: every
+    one) or "int4@C/K"."""
+    spec, _, coded = spec.partition("/")
     kind, _, cells = spec.partition("@")
-    return kind, int(cells) if cells else None
+    return kind, int(cells) if cells else None, int(coded) if coded else None
 
 
 def code_label(codes) -> str:
-    """The kind, and for int4 codes about C > 1 cells "int4@C" (about one centre: "int4", the
-    codes of earlier versions)."""
-    return codes.kind if codes.kind != "int4" or codes.cells == 1 else f"{codes.kind}@{codes.cells}"
+    """The kind; for int4 codes about C > 1 cells "int4@C" (about one centre: "int4", the codes
+    of earlier versions), and "/K" where they keep K coordinates, fewer than the rows have."""
+    if codes.kind != "int4":
+        return codes.kind
+    label = codes.kind if codes.cells == 1 else f"{codes.kind}@{codes.cells}"
+    every = grnnd.codes.code_dims(codes.grid.shape[1], "int4")
+    return label if codes.coded_dims == every else f"{label}/{codes.coded_dims}"
 
 
 def search_curve(base, graph, queries, gt, batch, lists, widths, codes=None):
@@ -162,7 +169,8 @@ def main():
     p.add_argument("--split-searches", default="0,1", help="searches per query of --small-batches (0 = auto)")
     p.add_argument("--build", default="", help="build params, e.g. pool_size=64,inner_iters=8")
     p.add_argument("--codes", default="", help="comma-separated code kinds to search by as well, same graph: "
-                   "int8, int4, or int4@C for int4 codes about C cells (int4: as grnnd.encode chooses)")
+                   "int8, int4, int4@C for int4 codes about C cells, int4/K for K coordinates (int4: as grnnd.encode "
+                   "chooses)")
     p.add_argument("--compare", default="", help="a previous run's JSON (same data, same GPU model), or 'latest': "
                    "the newest result under --out of this data, GPU model and build settings (report.latest_result); "
                    "flag every point more than 5%% slower at equal recall, and exit with status 3 if there is one")
@@ -205,8 +213,8 @@ def main():
                     "curve": search_curve(base, graph, queries, gt, args.batch, lists, widths)})
     code_sets = [None]
     for spec in filter(None, args.codes.split(",")):
-        kind, cells = code_spec(spec)
-        codes, encode_s = cuda_time(lambda: grnnd.encode(base, kind, cells=cells))
+        kind, cells, coded = code_spec(spec)
+        codes, encode_s = cuda_time(lambda: grnnd.encode(base, kind, cells=cells, coded_dims=coded))
         code_sets.append(codes)
         print(f"grnnd encode {spec}: {encode_s:.3f} s, {codes.rows.shape[1]} bytes per row"
               f"{f', {codes.cells} cells' if kind == 'int4' else ''}", flush=True)

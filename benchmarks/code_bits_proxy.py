@@ -124,7 +124,9 @@ def main():
         queries = blob["queries"][:args.queries].float().contiguous()
     else:
         base, queries = rows_and_queries(args.data, args.rows, args.dim, args.queries)
-    cells = codes._Int4Cells(codes.fit_grid(base, "l2", kind="int4"), "l2")
+    # Every coordinate coded, on the random rotation: the int4 codes the transforms are set against.
+    every = codes.code_dims(base.shape[1], "int4")
+    cells = codes._Int4Cells(codes.fit_grid(base, "l2", kind="int4", coded_dims=every), "l2")
     cell = codes._nearest(base, cells.centres)
     r = ((base.double() - cells.centres[cell]) @ cells.rotation).float()
     exact = torch.cdist(queries, base).square()

@@ -286,3 +286,18 @@ def test_the_code_bits_proxy_spends_its_bits_where_the_rows_vary():
     assert (turn[:2, 2:] == 0).all() and (turn[2:5, :2] == 0).all() and (turn[2:5, 5:] == 0).all()
     spread = group_spread(torch.tensor([4.0, 2.0, 1.0, 1.0, 4.0, 0.0]), bits)
     assert torch.allclose(spread, torch.tensor([3.0, 3.0, 2.0, 2.0, 2.0, 0.0]).sqrt())
+
+
+def test_code_specs_name_the_cells_and_the_coordinates_kept():
+    import torch_grnnd as grnnd
+    from benchmarks.bench_gpu import code_label, code_spec
+
+    assert code_spec("int8") == ("int8", None, None)
+    assert code_spec("int4@1000/384") == ("int4", 1000, 384)
+    assert code_spec("int4/352") == ("int4", None, 352)
+    g = torch.Generator().manual_seed(0)
+    low_rank = torch.randn(4_000, 8, generator=g) @ torch.randn(8, 64, generator=g)
+    assert code_label(grnnd.encode(low_rank, "int4", cells=1)) == "int4/32"  # 8 axes hold the rows
+    assert code_label(grnnd.encode(low_rank, "int4", cells=4)) == "int4@4/32"
+    assert code_label(grnnd.encode(low_rank, "int4", cells=1, coded_dims=64)) == "int4"
+    assert code_label(grnnd.encode(low_rank, "int8")) == "int8"

@@ -37,8 +37,8 @@ def test_encode_layout_and_decoding():
 
 
 def _int4_parts(codes, dim):
-    """(levels v [N, D], alpha, K, cell) of int4 code rows (csrc/core/codes.h)."""
-    width = grnnd.codes.code_dims(dim, "int4") // 2
+    """(levels v [N, coded], alpha, K, cell) of int4 code rows (csrc/core/codes.h)."""
+    width = codes.coded_dims // 2
     packed = codes.rows[:, :width]
     levels = torch.stack([packed & 0xF, packed >> 4], 2).flatten(1)
     tail = codes.rows[:, width:width + 16].contiguous()
@@ -50,8 +50,9 @@ def _int4_estimates(codes, queries, dim):
     """[Q, N]: the distances the search walks by (csrc/core/codes.h), in float64 and without the
     query's quantisation: -t_j + K - alpha <v, y> (x2 under l2, plus |q - c_0|^2; 1 + under cosine)."""
     levels, alpha, k, cell = _int4_parts(codes, dim)
-    v = levels[:, :dim].double() - 7.5
-    rotation, centres = codes.grid[:dim].double(), codes.grid[dim:].double()
+    kept = min(dim, codes.coded_dims)  # every coordinate, or the leading principal axes
+    v = levels[:, :kept].double() - 7.5
+    rotation, centres = codes.grid[:dim, :kept].double(), codes.grid[dim:].double()
     q = queries.double()
     if codes.metric == "cosine":
         q = torch.nn.functional.normalize(q, dim=1)
@@ -124,6 +125,74 @@ def test_int4_cells_code_tight_clusters_finely(metric):
     full = grnnd.recall(grnnd.search(base, graph, queries, 10, list_size=16, metric=metric)[1], truth)
     coded = grnnd.recall(grnnd.search(base, graph, queries, 10, list_size=16, metric=metric, codes=cells)[1], truth)
     assert coded >= full - 0.01, (coded, full)
+
+
+def _low_rank(n, dim, rank, seed):
+    """Clustered rows on a random rank-``rank`` subspace plus faint noise: their residuals about
+    any centres lie almost wholly on ``rank`` principal axes, as real embeddings' mostly do."""
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.linalg.qr(torch.randn(dim, rank, generator=g))[0].T
+    return clustered(n, rank, 40, seed=seed) @ basis + 1e-3 * torch.randn(n, dim, generator=g)
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_int4_codes_keep_the_leading_principal_axes_where_the_rest_hold_little(metric):
+    x = _low_rank(3_000, 96, 24, seed=4)
+    codes = grnnd.encode(x, "int4", metric=metric)
+    # 24 axes hold the residuals: one group of 32 coordinates keeps them, 32 bytes a row (16 of
+    # codes and the tail) where every coordinate would take 64; a sixth of the float16 rows.
+    assert codes.coded_dims == 32 and codes.rows.shape == (3_000, 16 + 16)
+    rotation = codes.grid[:96]
+    assert bool((rotation[:, 32:] == 0).all())
+    torch.testing.assert_close(rotation[:, :32].T @ rotation[:, :32], torch.eye(32), atol=1e-5, rtol=0)
+    queries = _low_rank(3_100, 96, 24, seed=4)[3_000:]
+    rows = torch.nn.functional.normalize(x, dim=1) if metric == "cosine" else x
+    q = torch.nn.functional.normalize(queries, dim=1) if metric == "cosine" else queries
+    exact = (torch.cdist(q.double(), rows.double()).square() if metric == "l2"
+             else (1 if metric == "cosine" else 0) - q.double() @ rows.double().T)
+    estimate = _int4_estimates(codes, queries, 96)
+    every = grnnd.encode(x, "int4", metric=metric, coded_dims=96)
+    assert every.coded_dims == 96 and every.rows.shape == (3_000, 48 + 16)
+    # The estimated distances stay close to the exact ones: within a small share of their spread,
+    # as with every coordinate coded (which spends three times the bits on the same 24 axes).
+    error, error_every = ((float((e - exact).abs().mean() / exact.std()))
+                          for e in (estimate, _int4_estimates(every, queries, 96)))
+    assert error < 0.03 and error_every < 0.03, (error, error_every)
+    # The same rows give the same grid and codes; added rows are coded on it the same way.
+    assert torch.equal(grnnd.encode(x, "int4", metric=metric).grid, codes.grid)
+    assert torch.equal(grnnd.codes.encode_rows(x[:500], codes.grid, metric), codes.rows[:500])
+    # Rows whose residuals spread over every axis keep every coordinate, on the fixed rotation.
+    assert grnnd.encode(torch.randn(3_000, 96), "int4", metric=metric).coded_dims == 96
+    assert grnnd.encode(x, "int4", metric=metric, coded_dims=64).coded_dims == 64
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int4_codes_of_fewer_coordinates_search_and_edit_like_every_coordinate(device, tmp_path):
+    data = _low_rank(9_300, 96, 24, seed=6).to(device)
+    base, extra, queries = data[:8_000], data[8_000:9_000], data[9_000:]
+    index = grnnd.Index.build(base, codes="int4")
+    assert index.codes.coded_dims == 32
+    truth = exact_neighbours(base, queries, 10)[1]
+    every = grnnd.encode(base, "int4", coded_dims=96)
+    for list_size in (16, 64):
+        fewer = grnnd.recall(index.search(queries, 10, list_size=list_size)[1].cpu(), truth)
+        full = grnnd.recall(grnnd.search(base, index.graph, queries, 10, list_size=list_size, codes=every)[1].cpu(),
+                            truth)
+        assert fewer >= full - 0.01 and fewer >= 0.9, (list_size, fewer, full)
+    if device == "cuda":  # the twins walk by the same code distances
+        kw = dict(list_size=64, searches=1, search_width=1, codes=index.codes)
+        d_gpu, i_gpu = grnnd.search(base, index.graph, queries, 10, **kw)
+        d_cpu, i_cpu = grnnd.search(base.cpu(), index.graph.cpu(), queries.cpu(), 10,
+                                    **{**kw, "codes": index.codes.to("cpu")})
+        assert (i_cpu == i_gpu.cpu()).float().mean().item() >= 0.99
+        torch.testing.assert_close(d_gpu.cpu(), d_cpu, rtol=1e-4, atol=1e-4)
+    index.add(extra)
+    assert index.codes.rows.shape == (9_000, 32)
+    assert torch.equal(index.codes.rows, grnnd.codes.encode_rows(index.data, index.codes.grid, "l2"))
+    torch.save(index.state_dict(), tmp_path / "index.pt")
+    restored = grnnd.Index.from_state_dict(torch.load(tmp_path / "index.pt", weights_only=True))
+    assert torch.equal(restored.codes.rows, index.codes.rows)
+    assert torch.equal(restored.search(queries, 10)[1], index.search(queries, 10)[1])
 
 
 def test_int4_codes_of_earlier_versions_load():
@@ -218,6 +287,13 @@ def test_coded_search_refuses_bad_codes(sets):
     for kind, cells in (("int4", 0), ("int4", 4097), ("int8", 4), ("int4", 2.0)):
         with pytest.raises(ValueError, match=r"cells: expected an int in \[1, 4096\]"):
             grnnd.encode(base, kind, cells=cells)
+    for width in (16 + 8, 16 + 48):  # int4 code rows: a tail and 1 to 2 whole chunks at D = 48
+        with pytest.raises(ValueError, match=r"codes: expected shape \[12000, 48\] \(the int4 codes"):
+            torch.ops.grnnd.search(base, graph, queries, 10, codes=int4.rows.new_zeros(12_000, width),
+                                   code_grid=int4.grid)
+    for kind, coded in (("int4", 48), ("int4", 0), ("int4", 96), ("int8", 32), ("int4", True)):
+        with pytest.raises(ValueError, match=r"coded_dims: expected a multiple of 32 in \[32, 64\]"):
+            grnnd.encode(base, kind, coded_dims=coded)
     with pytest.raises(ValueError, match=r"grid: expected float32 \[48 \+ C, 48\]"):
         grnnd.encode(base, "int4", grid=torch.zeros(48 + 4097, 48))
     with pytest.raises(ValueError, match="NaN or infinity"):

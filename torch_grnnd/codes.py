@@ -17,7 +17,12 @@ them and at most 1 024, where they take at least half the rows' spread; else one
 random rotation (so that every coordinate carries a similar share), then 4 bits per coordinate
 on a grid of 16 levels with a step chosen per row, and two floats per row for the inner-product
 estimate of RaBitQ (Gao and Long 2024, extended to several bits): exact for the row itself, and
-unbiased over random rotations in that paper's analysis.
+unbiased over random rotations in that paper's analysis. Where the residuals (rows less their
+cells' centres) leave almost nothing on their last principal axes (real embeddings do), the codes
+keep fewer coordinates: the leading principal axes, in whole groups of 32, turned by a random
+rotation among themselves; the axes left out hold at most half a percent of the residuals'
+variance (:func:`int4_coded_dims`). So 384-d sentence embeddings take 192 bytes a row, a quarter
+of their float16 rows, where every coordinate would take 208.
 Coding about a cell's centre rather than one global centre (as IVF-RaBitQ does) keeps rows of one
 tight cluster apart: their differences are not drowned by the code's error on the cluster's
 offset. The grid holds the rotation and the centres; rows added later use both.
@@ -59,8 +64,19 @@ _CELL_ROUNDS = 8
 _CHUNK_ROWS = 1 << 14
 
 
-# int4: the rotation's seed (one rotation for every index: codes of two indexes with the same
-# centre are comparable), the steps the encoder tries as multiples of a row's RMS (a coarse pass
+# int4 codes keep fewer coordinates than the rows have where the principal axes left out hold at
+# most this share of the residuals' variance (about their cells, on the cells' sample). The 4-bit
+# levels themselves leave about 1% of a Gaussian coordinate's variance as error, so the axes left
+# out add at most half of that. On 60 000 real 384-d sentence embeddings the last 32 axes hold
+# 0.26% (the next 32 another 0.50%), and codes of the leading 352 axes found 0.940 / 0.999 of the
+# true 10 among the 10 / 16 rows they ranked first, against 0.944 / 0.999 for every rotated
+# coordinate (a CPU proxy, 300 queries, benchmarks/README.md). Above this many dimensions the axes
+# are not fitted (an eigendecomposition of D x D) and every coordinate is coded.
+_INT4_DROPPED_VARIANCE = 0.005
+_INT4_MAX_AXES_DIM = 4096
+
+# int4: the rotation's seed (one random rotation for every index of D dimensions whose codes keep
+# every coordinate: codes of two such indexes with the same centre are comparable), the steps the encoder tries as multiples of a row's RMS (a coarse pass
 # over 0.16-0.56, then +-0.02 and +-0.04 around the best: 10 tries for a resolution of 0.02), and
 # the levels' half range (codes.h: v = u - 7.5).
 _ROTATION_SEED = 0x5EED
@@ -116,12 +132,22 @@ def pair_codes(rows: Tensor, metric: str = "l2") -> Tuple[Tensor, float]:
     return out, step * step / (2 if metric == "cosine" else 1)
 
 
-def code_row_bytes(dim: int, metric: str, kind: str = "int8") -> int:
+def code_row_bytes(dim: int, metric: str, kind: str = "int8", coded_dims: Optional[int] = None) -> int:
     """Bytes of one code row: the codes, then a 16-byte tail: under l2 the row's norm term for
-    int8, the row's scale and norm term for int4 (csrc/core/codes.h)."""
+    int8, the row's scale and norm term for int4 (csrc/core/codes.h). ``coded_dims`` (int4): the
+    coordinates the codes keep (:func:`int4_coded_dims`), every one by default."""
     if kind == "int8":
         return code_dims(dim) + (16 if metric == "l2" else 0)
-    return code_dims(dim, kind) // 2 + 16
+    return (coded_dims if coded_dims is not None else code_dims(dim, kind)) // 2 + 16
+
+
+def int4_coded_dims(grid: Tensor) -> int:
+    """The coordinates int4 codes on ``grid`` keep: the rotation's columns up to its last nonzero
+    one, padded to 32. code_dims(D) for the random rotation of every coordinate; fewer where the
+    grid turns the rows to their leading principal axes (its other columns are zero)."""
+    dim = grid.shape[1]
+    used = grid[:dim].ne(0).any(0).nonzero()
+    return code_dims(int(used.max()) + 1 if used.numel() > 0 else dim, "int4")
 
 
 def grid_kind(grid: Tensor) -> str:
@@ -141,9 +167,10 @@ class Codes:
     Attributes:
         kind: ``"int8"`` or ``"int4"``.
         metric: the metric they were made for (cosine codes are of normalised rows).
-        rows: uint8 [N, code_row_bytes(D, metric, kind)], the search's ``codes``.
+        rows: uint8 [N, code_row_bytes(D, metric, kind, coded_dims)], the search's ``codes``.
         grid: float32, the search's ``code_grid``: int8 [2, D], each dimension's offset and
-            step; int4 [D + C, D], the rotation (transposed) and then the C cells' centres.
+            step; int4 [D + C, D], the rotation (transposed; zero columns past the coordinates
+            kept) and then the C cells' centres.
     """
 
     kind: str
@@ -164,6 +191,12 @@ class Codes:
         return Codes(self.kind, self.metric, self.rows[rows.to(self.rows.device)], self.grid)
 
     @property
+    def coded_dims(self) -> int:
+        """Codes a row holds: int8 one per dimension (padded to 16); int4 one per coordinate kept
+        (padded to 32), fewer than the dimensions where the rows' last principal axes are left out."""
+        return (self.rows.shape[1] - 16) * 2 if self.kind == "int4" else code_dims(self.grid.shape[1])
+
+    @property
     def cells(self) -> int:
         """int4: the cells whose centres the rows are coded about; int8: 0."""
         return self.grid.shape[0] - self.grid.shape[1] if self.kind == "int4" else 0
@@ -181,21 +214,25 @@ def _prepared(rows: Tensor, metric: str, device: torch.device) -> Tensor:
 
 
 def fit_grid(data: Tensor, metric: str = "l2", device: Optional[Union[str, torch.device]] = None,
-             kind: str = "int8", cells: Optional[int] = None) -> Tensor:
+             kind: str = "int8", cells: Optional[int] = None, coded_dims: Optional[int] = None) -> Tensor:
     """The grid codes of ``kind`` are made on, fitted to ``data``, on ``device`` (data's by
     default). int8: float32 [2, D], each dimension's minimum over the rows and its step, the
     range over 255 (1 where the range is 0: every row then codes to 0). int4: float32
-    [D + C, D], a random rotation (the same for every index of D dimensions) transposed, then
-    the centres of ``cells`` k-means cells of the rows (the mean of the rows for one cell).
-    ``cells=None``: :func:`default_cells` of them where they take at least half the rows'
-    spread about their mean (clustered rows), else one. The same rows give the same grid."""
+    [D + C, D], the rotation transposed, then the centres of ``cells`` k-means cells of the rows
+    (the mean of the rows for one cell). ``cells=None``: :func:`default_cells` of them where they
+    take at least half the rows' spread about their mean (clustered rows), else one. The
+    rotation: where the codes keep every coordinate, a random one (the same for every index of D
+    dimensions); where they keep ``coded_dims`` (a multiple of 32 below code_dims(D); None: as
+    few as leave out at most half a percent of the residuals' variance), the residuals' leading
+    principal axes turned by a random rotation among themselves, zero columns after them. The
+    same rows give the same grid."""
     device = torch.device(device) if device is not None else data.device
     dim = data.shape[1]
     if kind == "int4":
         centres, kept = _cell_centres(data, metric, device, default_cells(data.shape[0]) if cells is None else cells)
         if cells is None and kept > _CELLS_MAX_SPREAD_KEPT:
             centres, _ = _cell_centres(data, metric, device, 1)
-        return torch.cat([_rotation(dim).to(device), centres])
+        return torch.cat([_int4_turn(data, metric, device, centres, coded_dims), centres])
     low = torch.full((dim,), float("inf"), device=device)
     high = torch.full((dim,), float("-inf"), device=device)
     for start in range(0, data.shape[0], _CHUNK_ROWS):
@@ -282,6 +319,51 @@ def _nearest(x: Tensor, centres: Tensor) -> Tensor:
     return ((cd.square().sum(1))[None] - 2 * xd @ cd.T).argmin(1)
 
 
+def _int4_turn(data: Tensor, metric: str, device: torch.device, centres: Tensor,
+               coded_dims: Optional[int]) -> Tensor:
+    """float32 [D, D], an int4 grid's rotation (fit_grid): y = u @ it."""
+    dim = data.shape[1]
+    every = code_dims(dim, "int4")
+    if coded_dims is None and dim > _INT4_MAX_AXES_DIM:
+        return _rotation(dim).to(device)
+    if coded_dims is not None and coded_dims >= every:
+        return _rotation(dim).to(device)
+    variance, axes = _residual_axes(data, metric, device, centres)
+    if coded_dims is None:
+        # The fewest coordinates, in groups of 32, whose axes leave out at most the allowed share.
+        left_out = variance.flip(0).cumsum(0).flip(0)  # left_out[i]: the variance on axes i, i + 1, ...
+        total = float(left_out[0]) if dim > 0 else 0.0
+        coded_dims = every
+        for kept in range(32, every, 32):
+            if total > 0 and float(left_out[kept]) <= _INT4_DROPPED_VARIANCE * total:
+                coded_dims = kept
+                break
+        if coded_dims >= every:
+            return _rotation(dim).to(device)
+    turn = torch.zeros(dim, dim, dtype=torch.float64)
+    turn[:, :coded_dims] = axes[:, :coded_dims] @ _rotation(coded_dims).double()
+    return turn.float().to(device)
+
+
+def _residual_axes(data: Tensor, metric: str, device: torch.device, centres: Tensor) -> Tuple[Tensor, Tensor]:
+    """(float64 [D] variances, largest first; float64 [D, D] the principal axes in columns) of the
+    residuals x - c (each row less its nearest centre), on a fixed-seed sample of the rows (the
+    cells' first 65 536). The eigendecomposition runs on the CPU and each axis's largest entry is
+    made positive, so the same rows give the same axes on either device."""
+    n, dim = data.shape
+    generator = torch.Generator().manual_seed(_ROTATION_SEED)
+    picked = torch.randperm(n, generator=generator)[:min(n, _CELL_SAMPLE_MIN)].sort().values
+    scatter = torch.zeros(dim, dim, dtype=torch.float64, device=device)
+    for start in range(0, picked.shape[0], _CHUNK_ROWS):
+        x = _prepared(data[picked[start:start + _CHUNK_ROWS].to(data.device)], metric, device)
+        e = (x.double() - centres.double()[_nearest(x, centres)]).float()
+        scatter += (e.T @ e).double()
+    variance, axes = torch.linalg.eigh(scatter.cpu() / max(1, picked.shape[0]))
+    variance, axes = variance.flip(0).clamp_min(0), axes.flip(1)
+    largest = axes.gather(0, axes.abs().argmax(0, keepdim=True))
+    return variance, axes * torch.where(largest < 0, -1.0, 1.0)
+
+
 def _rotation(dim: int) -> Tensor:
     """float32 [D, D]: a random orthogonal matrix (QR of a Gaussian one, signs fixed so that it
     is uniformly distributed), from a fixed seed on the CPU, so every machine makes the same."""
@@ -296,7 +378,8 @@ def encode_rows(rows: Tensor, grid: Tensor, metric: str) -> Tensor:
     kind = grid_kind(grid)
     n, dim = rows.shape
     device = grid.device
-    out = torch.zeros(n, code_row_bytes(dim, metric, kind), dtype=torch.uint8, device=device)
+    coded = int4_coded_dims(grid) if kind == "int4" else None
+    out = torch.zeros(n, code_row_bytes(dim, metric, kind, coded), dtype=torch.uint8, device=device)
     cells = _Int4Cells(grid, metric) if kind == "int4" else None
     for start in range(0, n, _CHUNK_ROWS):
         x = _prepared(rows[start:start + _CHUNK_ROWS], metric, device)
@@ -321,12 +404,15 @@ def _encode_int8(x: Tensor, grid: Tensor, metric: str, out: Tensor) -> None:
 class _Int4Cells:
     """An int4 grid's parts in float64, as every chunk of rows coded on it needs them: the
     rotation, the centres, and the offsets W_j (c_j - c_0 under l2, c_j otherwise) with their
-    rotations P W_j and squared norms (csrc/core/codes.h)."""
+    rotations P W_j and squared norms (csrc/core/codes.h), and the coordinates coded: the
+    rotation's first ``kept`` columns, ``coded`` codes a row with the padding."""
 
     def __init__(self, grid: Tensor, metric: str):
         dim = grid.shape[1]
         self.metric = metric
-        self.rotation, self.centres = grid[:dim].double(), grid[dim:].double()
+        self.coded = int4_coded_dims(grid)
+        self.kept = min(self.coded, dim)
+        self.rotation, self.centres = grid[:dim, :self.kept].double(), grid[dim:].double()
         self.offsets = self.centres - self.centres[0] if metric == "l2" else self.centres
         self.turned = self.offsets @ self.rotation
         self.offset_norms = self.offsets.square().sum(1)
@@ -334,17 +420,19 @@ class _Int4Cells:
 
 def _encode_int4(x: Tensor, cells: _Int4Cells, out: Tensor) -> None:
     """Codes of the rows x (prepared) on an int4 grid (csrc/core/codes.h): the row's cell j (nearest
-    centre) and r = P (x - c_j); of the steps tried (multiples of r's RMS), the one whose levels v
-    point closest to r's direction; then alpha = |r|^2 / <v, r>, the row's constant K and j in the
-    tail."""
-    n, dim = x.shape
+    centre) and r = P (x - c_j), its coordinates kept; of the steps tried (multiples of r's RMS),
+    the one whose levels v point closest to r's direction; then alpha = |r|^2 / <v, r>, the row's
+    constant K and j in the tail. Where the codes leave principal axes out, their part of
+    <x - c_j, q - c_j> is taken as 0 and K holds the whole |x - c_j|^2."""
+    n = x.shape[0]
     cell = _nearest(x, cells.centres)
     # In float64, so that a row's codes do not depend on the batch it is coded in (a float32
     # product's rounding may follow the matrix's shape).
     e = x.double() - cells.centres[cell]
     r = (e @ cells.rotation).float()
     norm = r.square().sum(1)
-    rms = (norm / dim).sqrt().clamp_min(1e-30)
+    whole = norm if cells.kept == x.shape[1] else e.square().sum(1).float()
+    rms = (norm / cells.kept).sqrt().clamp_min(1e-30)
 
     def levels_at(multiple: Tensor) -> Tensor:  # multiple: [n], per row
         return (r / (rms * multiple)[:, None] + _INT4_HALF_RANGE).round_().clamp_(0, 15)
@@ -374,11 +462,11 @@ def _encode_int4(x: Tensor, cells: _Int4Cells, out: Tensor) -> None:
     # alpha <v, P c_j> - <c_j, e>.
     estimate = alpha.double() * (v.double() * cells.turned[cell]).sum(1)
     if cells.metric == "l2":
-        k = cells.offset_norms[cell] + norm.double() + 2 * estimate
+        k = cells.offset_norms[cell] + whole.double() + 2 * estimate
     else:
         k = estimate - (cells.centres[cell] * e).sum(1)
-    padded = torch.zeros(n, code_dims(dim, "int4"), dtype=torch.uint8, device=x.device)
-    padded[:, :dim] = best
+    padded = torch.zeros(n, cells.coded, dtype=torch.uint8, device=x.device)
+    padded[:, :cells.kept] = best
     packed = padded[:, 0::2] | (padded[:, 1::2] << 4)
     width = packed.shape[1]
     out[:, :width] = packed
@@ -387,11 +475,16 @@ def _encode_int4(x: Tensor, cells: _Int4Cells, out: Tensor) -> None:
 
 
 def encode(data: Tensor, kind: str = "int8", *, metric: str = "l2", grid: Optional[Tensor] = None,
-           device: Optional[Union[str, torch.device]] = None, cells: Optional[int] = None) -> Codes:
+           device: Optional[Union[str, torch.device]] = None, cells: Optional[int] = None,
+           coded_dims: Optional[int] = None) -> Codes:
     """Codes of the rows of ``data`` for a search under ``metric``: ``kind`` ``"int8"`` (8-bit
     scalar codes, one byte per dimension) or ``"int4"`` (4-bit codes of the rotated rows, half a
-    byte per dimension and 16 bytes per row; needs D >= 2). ``grid``: code on this grid (another
-    index's, of the same kind) instead of one fitted to ``data``. ``device``: where the codes go
+    byte per coordinate and 16 bytes per row; needs D >= 2). ``coded_dims`` (int4): the
+    coordinates kept, a multiple of 32 (the rows' leading principal axes where it is below the
+    dimensions); None (the default): every one, or fewer where the residuals' last principal axes
+    hold at most half a percent of their variance (``Codes.coded_dims`` says how many). ``grid``:
+    code on this grid (another index's, of the same kind) instead of one fitted to ``data``.
+    ``device``: where the codes go
     (data's by default), e.g. the GPU for rows kept in pinned host memory. ``cells`` (int4): the
     cells the rows are coded about, 1 to 4 096: more cells code clustered rows more finely, and
     each query computes one dot product per cell and looks one up per distance. None (the
@@ -423,8 +516,14 @@ def encode(data: Tensor, kind: str = "int8", *, metric: str = "l2", grid: Option
                               or not 1 <= cells <= MAX_CELLS):
         raise ValueError(f"cells: expected an int in [1, {MAX_CELLS}] for int4 codes on a grid fitted here, got "
                          f"{cells!r} ({kind} codes{', a grid given' if grid is not None else ''})")
+    every = code_dims(data.shape[1], "int4")
+    if coded_dims is not None and (kind != "int4" or grid is not None or not isinstance(coded_dims, int)
+                                   or isinstance(coded_dims, bool) or not 32 <= coded_dims <= every
+                                   or coded_dims % 32 != 0):
+        raise ValueError(f"coded_dims: expected a multiple of 32 in [32, {every}] for int4 codes on a grid fitted "
+                         f"here, got {coded_dims!r} ({kind} codes{', a grid given' if grid is not None else ''})")
     if grid is None:
-        grid = fit_grid(data, metric, device, kind, cells)
+        grid = fit_grid(data, metric, device, kind, cells, coded_dims)
     else:
         check_grid(grid, data.shape[1], kind)
         grid = grid.to(device if device is not None else grid.device)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from . import building, editing, merging, ops, saving
-from .codes import CODE_KINDS, CODES_FORMAT, Codes, check_grid, code_row_bytes, encode, encode_rows
+from .codes import CODE_KINDS, CODES_FORMAT, Codes, check_grid, code_row_bytes, encode, encode_rows, int4_coded_dims
 from .params import MAX_LIST_SIZE, BuildParams, SearchParams
 from .progress import Progress
 
@@ -678,11 +678,13 @@ def check_codes_state(state: Any, data: Tensor, metric: str) -> Codes:
     if not isinstance(state, dict) or state.get("kind") not in CODE_KINDS:
         raise ValueError(f"state: codes must be a dict whose kind is one of {CODE_KINDS}")
     rows, grid = state.get("rows"), state.get("grid")
-    width = code_row_bytes(data.shape[1], metric, state["kind"])
+    check_grid(grid, data.shape[1], state["kind"])
+    # int4 codes keep the coordinates their grid turns the rows to (int4_coded_dims).
+    width = code_row_bytes(data.shape[1], metric, state["kind"],
+                           int4_coded_dims(grid) if state["kind"] == "int4" else None)
     if not isinstance(rows, Tensor) or rows.dtype != torch.uint8 or tuple(rows.shape) != (data.shape[0], width):
         raise ValueError(f"state: code rows must be uint8 [{data.shape[0]}, {width}], got "
                          f"{tuple(rows.shape) if isinstance(rows, Tensor) else type(rows).__name__}")
-    check_grid(grid, data.shape[1], state["kind"])
     grid = grid.to(rows.device)
     if state["kind"] == "int4" and state.get("format", 1) < CODES_FORMAT and metric != "l2":
         # Single-centre ip and cosine codes of earlier versions lack the row constant the search

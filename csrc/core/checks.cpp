@@ -223,14 +223,23 @@ SearchCodes check_search_codes(const c10::optional<at::Tensor>& codes, const c10
   const CodeKind code_kind = static_cast<CodeKind>(kind);
   const int64_t row_bytes = code_row_bytes(dim, metric, code_kind);
   TORCH_CHECK_TYPE(codes->scalar_type() == at::kByte, "codes: expected uint8, got ", codes->scalar_type());
-  TORCH_CHECK_VALUE(codes->dim() == 2 && codes->size(0) == n && codes->size(1) == row_bytes, "codes: expected shape [",
-                    n, ", ", row_bytes, "] (the ", code_kind == CodeKind::kInt8 ? "int8" : "int4",
-                    " codes of data's rows for this metric, torch_grnnd.encode), got ", codes->sizes());
+  // int4 codes may keep fewer coordinates than the rows have, in groups of 32 (codes.h), so
+  // their width says how many; int8 codes keep every dimension.
+  const int64_t width = codes->dim() == 2 ? codes->size(1) : -1;
+  const bool fits = code_kind == CodeKind::kInt8 ? width == row_bytes
+                                                  : int4_row_bytes_fit(width, dim);
+  TORCH_CHECK_VALUE(codes->dim() == 2 && codes->size(0) == n && fits, "codes: expected shape [", n, ", ", row_bytes,
+                    "] (the ", code_kind == CodeKind::kInt8 ? "int8" : "int4",
+                    " codes of data's rows for this metric, torch_grnnd.encode",
+                    code_kind == CodeKind::kInt4 ? "; or a width of 16 + 16 m below it, int4 codes of fewer coordinates"
+                                                 : "",
+                    "), got ", codes->sizes());
   check_same_device(queries, "queries", *codes, "codes");
   check_same_device(queries, "queries", *code_grid, "code_grid");
   at::Tensor rows = codes->contiguous();
   if (reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 != 0) rows = rows.clone();  // 16-byte loads
-  return {rows, code_grid->contiguous(), code_kind};
+  const int64_t bytes = code_kind == CodeKind::kInt8 ? code_bytes(dim, code_kind) : width - kInt4TailBytes;
+  return {rows, code_grid->contiguous(), code_kind, code_kind == CodeKind::kInt8 ? code_dims(dim) : 2 * bytes, bytes};
 }
 
 void check_search_contents(const at::Tensor& data, const at::Tensor& graph, const at::Tensor& queries) {

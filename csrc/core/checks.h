@@ -69,6 +69,8 @@ struct SearchCodes {
   at::Tensor codes;  // undefined: the traversal reads the rows
   at::Tensor grid;
   CodeKind kind = CodeKind::kInt8;
+  int64_t dims = 0;   // codes per row, padding included: code_dims(dim), or int4's coordinates kept (codes.h)
+  int64_t bytes = 0;  // bytes of those codes, the tail not counted
 };
 SearchCodes check_search_codes(const c10::optional<at::Tensor>& codes, const c10::optional<at::Tensor>& code_grid,
                                const at::Tensor& data, const at::Tensor& queries, Metric metric);

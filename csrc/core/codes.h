@@ -49,7 +49,8 @@ GRNND_HOST_DEVICE int64_t code_bytes(int64_t dim, CodeKind kind) {
 }
 
 // Bytes of one code row: its codes, then a 16-byte tail where the kind needs one (int8: the
-// row's norm term under l2; int4: its alpha, K and cell under every metric).
+// row's norm term under l2; int4: its alpha, K and cell under every metric). int4 rows that keep
+// fewer coordinates are narrower (int4_row_bytes_fit).
 GRNND_HOST_DEVICE int64_t code_row_bytes(int64_t dim, Metric metric, CodeKind kind = CodeKind::kInt8) {
   const bool tail = kind == CodeKind::kInt4 || metric == Metric::kL2;
   return code_bytes(dim, kind) + (tail ? 16 : 0);
@@ -156,8 +157,23 @@ constexpr int kCodeConstantLanes = 32;
 // so that y = u @ grid[:D] for a row vector u), rows D..D+C-1 the centres. With C = 1 and l2 this
 // is the single-centre layout of earlier versions, whose codes it reads unchanged (W_0 = 0,
 // K = |r|^2, cell 0); earlier ip and cosine codes had no K and are coded again on loading.
+//
+// Fewer coordinates: where the residuals e leave almost nothing on their last principal axes,
+// P is those axes' leading D' (a multiple of 32 below code_dims(D)) turned by a random rotation
+// among themselves, and the grid's rotation columns past D' are zero; a row then holds D' / 2
+// bytes of codes, so y's terms past D' are 0 and never read. The part of <e, w> on the axes left
+// out is taken as 0, and under l2 K holds the whole |e|^2 in place of |r|^2. The search learns D'
+// from the width of the code rows (int4_row_bytes_fit).
 
 constexpr float kInt4HalfRange = 7.5f;  // v = u - 7.5, u in [0, 15]
+constexpr int64_t kInt4TailBytes = 16;   // alpha, K, the cell, padding
+
+// Whether int4 code rows of `width` bytes fit rows of `dim`: a tail and whole 16-byte chunks of
+// codes (32 coordinates each), every coordinate's or fewer (above).
+inline bool int4_row_bytes_fit(int64_t width, int64_t dim) {
+  const int64_t bytes = width - kInt4TailBytes;
+  return bytes >= 16 && bytes % 16 == 0 && bytes <= code_bytes(dim, CodeKind::kInt4);
+}
 
 // Where the query keeps the term of dimension d: each 4-byte word of codes holds 8 dimensions,
 // the even ones in its low nibbles and the odd ones in its high nibbles, so a word's 8 terms are

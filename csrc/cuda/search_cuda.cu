@@ -451,8 +451,8 @@ SearchPlan plan_search(const at::Tensor& data, const at::Tensor& graph, const at
     a.codes = codes.codes.data_ptr<uint8_t>();
     a.code_grid = codes.grid.data_ptr<float>();
     a.code_stride = codes.codes.size(1);
-    a.code_dims = static_cast<int>(code_dims(data.size(1), codes.kind));
-    a.code_bytes = static_cast<int>(code_bytes(data.size(1), codes.kind));
+    a.code_dims = static_cast<int>(codes.dims);
+    a.code_bytes = static_cast<int>(codes.bytes);
     a.code_cells = codes.kind == CodeKind::kInt4 ? static_cast<int>(codes.grid.size(0) - data.size(1)) : 0;
   }
   a.seed = p.seed;

@@ -64,7 +64,7 @@ struct SearchArgs {
   const float* rotated;    // int4: [Q, dim + cells], the rotated queries, then their cell dots (rotate_queries_kernel)
   int code_cells;          // int4: the grid's cells
   int64_t code_stride;     // bytes per code row (code_row_bytes)
-  int code_dims;           // codes per row, padded to a multiple of 16 (int8) or 32 (int4) (code_dims)
+  int code_dims;           // codes per row, padded to a multiple of 16 (int8) or 32 (int4) (SearchCodes::dims)
   int code_bytes;          // bytes of those codes, the tail not counted
   const bool* allowed;  // null without a filter
   float* out_dists;     // [Q * searches, k]: the results, or each search's part when split
