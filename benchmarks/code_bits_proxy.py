@@ -16,7 +16,8 @@ list there. A proxy on the CPU: no search kernel runs.
 turned to the principal axes of the residuals (about their cells), each axis given 0-4 bits
 within a budget of bytes a row, by greedy reverse water-filling (the next bit to the axis whose
 quantisation error, variance x 4^-bits, is largest) and, where the budget lies between 3 and 4
-bits a coordinate, by two levels (the leading axes 4 bits, the rest 3); then a random rotation
+bits a coordinate, by two levels (the leading axes 4 bits, the rest 3), and truncated (the
+leading axes 4 bits, the rest none: what int4 codes do where those axes hold little); then a random rotation
 within each group of axes of equal bits (``--axes-only``: none), coded with a step per row times
 a step per group (its spread over its levels); the same estimate. ``--data FILE.pt`` reads real
 embeddings ({"base", "queries"}, benchmarks/embed_cpu.py).
@@ -156,6 +157,8 @@ def main():
             allocations = [("water-filling", water_filling(variance, 8 * budget))]
             if 3 * dim <= 8 * budget <= 4 * dim:  # the leading axes 4 bits, the rest 3
                 allocations.append(("two levels", (torch.arange(dim) < 8 * budget - 3 * dim).long() + 3))
+            if 8 * budget <= 4 * dim:  # 4 bits on the leading axes, none on the rest (int4_coded_dims)
+                allocations.append(("truncated", (torch.arange(dim) < 2 * budget).long() * 4))
             for name, bits in allocations:
                 turn = axes if args.axes_only else axes @ group_rotation(bits).T
                 spread = variance.sqrt() if args.axes_only else group_spread(variance, bits)

@@ -5,7 +5,8 @@ traversal reads one byte (``"int8"``) or half a byte (``"int4"``) per dimension 
 four, and the final list is re-ranked by exact distances to the full rows, so the returned
 distances are exact. The trade: the traversal ranks by approximate distances, so a list of the
 same length finds somewhat fewer true neighbours (more so with int4), and the codes take memory
-beside the rows: ``D`` bytes per row for int8 (plus 16 under l2), ``D / 2 + 16`` for int4.
+beside the rows: ``D`` bytes per row for int8 (plus 16 under l2), at most ``D / 2 + 16`` for
+int4 (fewer where the codes leave the rows' last principal axes out, below).
 ``benchmarks/README.md`` has the measured curves.
 
 ``"int8"``: per dimension an offset and a step, the rows' minimum and range / 255 (cosine rows
