@@ -161,9 +161,14 @@ def test_int4_codes_keep_the_leading_principal_axes_where_the_rest_hold_little(m
     # The same rows give the same grid and codes; added rows are coded on it the same way.
     assert torch.equal(grnnd.encode(x, "int4", metric=metric).grid, codes.grid)
     assert torch.equal(grnnd.codes.encode_rows(x[:500], codes.grid, metric), codes.rows[:500])
-    # Rows whose residuals spread over every axis keep every coordinate, on the fixed rotation.
+    # Rows whose residuals spread over every axis keep every coordinate, on the fixed rotation; so
+    # do rows too few (under 16 a dimension) to tell the data's directions from the sample's.
     assert grnnd.encode(torch.randn(3_000, 96), "int4", metric=metric).coded_dims == 96
+    assert grnnd.encode(x[:1_000], "int4", metric=metric).coded_dims == 96
     assert grnnd.encode(x, "int4", metric=metric, coded_dims=64).coded_dims == 64
+    # Rows of one grid's width with another grid are refused, not read wrongly.
+    with pytest.raises(ValueError, match="int4 rows of 64 bytes do not fit their grid, which keeps 32"):
+        grnnd.codes.Codes("int4", metric, every.rows, codes.grid)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -188,6 +193,9 @@ def test_int4_codes_of_fewer_coordinates_search_and_edit_like_every_coordinate(d
         torch.testing.assert_close(d_gpu.cpu(), d_cpu, rtol=1e-4, atol=1e-4)
     index.add(extra)
     assert index.codes.rows.shape == (9_000, 32)
+    index.encode("int4", coded_dims=96)  # every coordinate, asked for
+    assert index.codes.coded_dims == 96 and index.codes.rows.shape == (9_000, 64)
+    index.encode("int4")
     assert torch.equal(index.codes.rows, grnnd.codes.encode_rows(index.data, index.codes.grid, "l2"))
     torch.save(index.state_dict(), tmp_path / "index.pt")
     restored = grnnd.Index.from_state_dict(torch.load(tmp_path / "index.pt", weights_only=True))
@@ -291,9 +299,13 @@ def test_coded_search_refuses_bad_codes(sets):
         with pytest.raises(ValueError, match=r"codes: expected shape \[12000, 48\] \(the int4 codes"):
             torch.ops.grnnd.search(base, graph, queries, 10, codes=int4.rows.new_zeros(12_000, width),
                                    code_grid=int4.grid)
-    for kind, coded in (("int4", 48), ("int4", 0), ("int4", 96), ("int8", 32), ("int4", True)):
+    for coded in (48, 0, 96, True, 32.0):
         with pytest.raises(ValueError, match=r"coded_dims: expected a multiple of 32 in \[32, 64\]"):
-            grnnd.encode(base, kind, coded_dims=coded)
+            grnnd.encode(base, "int4", coded_dims=coded)
+    with pytest.raises(ValueError, match=r"coded_dims: expected a multiple of 32 in \[32, 64\]"):
+        grnnd.codes.fit_grid(base, kind="int4", coded_dims=40)
+    with pytest.raises(ValueError, match="coded_dims: applies to int4 codes on a grid fitted here"):
+        grnnd.encode(base, "int8", coded_dims=32)
     with pytest.raises(ValueError, match=r"grid: expected float32 \[48 \+ C, 48\]"):
         grnnd.encode(base, "int4", grid=torch.zeros(48 + 4097, 48))
     with pytest.raises(ValueError, match="NaN or infinity"):

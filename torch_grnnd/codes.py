@@ -22,15 +22,17 @@ unbiased over random rotations in that paper's analysis. Where the residuals (ro
 cells' centres) leave almost nothing on their last principal axes (real embeddings do), the codes
 keep fewer coordinates: the leading principal axes, in whole groups of 32, turned by a random
 rotation among themselves; the axes left out hold at most half a percent of the residuals'
-variance (:func:`int4_coded_dims`). So 384-d sentence embeddings take 192 bytes a row, a quarter
-of their float16 rows, where every coordinate would take 208.
+variance (:func:`int4_coded_dims`; fitted on at least 16 rows a dimension). So 384-d sentence
+embeddings take 192 bytes a row, a quarter of their float16 rows, where every coordinate would take
+208. Rows added later are coded on the axes kept: what they hold elsewhere is lost to the walk
+(not to the re-rank), and ``Index.encode`` fits a new grid.
 Coding about a cell's centre rather than one global centre (as IVF-RaBitQ does) keeps rows of one
 tight cluster apart: their differences are not drowned by the code's error on the cluster's
 offset. The grid holds the rotation and the centres; rows added later use both.
 """
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -71,15 +73,21 @@ _CHUNK_ROWS = 1 << 14
 # out add at most half of that. On 60 000 real 384-d sentence embeddings the last 32 axes hold
 # 0.26% (the next 32 another 0.50%), and codes of the leading 352 axes found 0.940 / 0.999 of the
 # true 10 among the 10 / 16 rows they ranked first, against 0.944 / 0.999 for every rotated
-# coordinate (a CPU proxy, 300 queries, benchmarks/README.md). Above this many dimensions the axes
-# are not fitted (an eigendecomposition of D x D) and every coordinate is coded.
+# coordinate (a CPU proxy, 300 queries, benchmarks/README.md). The axes are fitted only on at least
+# _INT4_AXES_ROWS_PER_DIM x D rows: on fewer, the residuals' last axes hold nothing because the
+# sample spans too few directions, not because the data does, and rows added later would lose
+# what lies outside the sample's span. Above _INT4_MAX_AXES_DIM dimensions they are not fitted
+# either (a float64 eigendecomposition of D x D on the CPU: about 1 s at 2 048, far more at 4 096).
+# In both cases every coordinate is coded.
 _INT4_DROPPED_VARIANCE = 0.005
-_INT4_MAX_AXES_DIM = 4096
+_INT4_AXES_ROWS_PER_DIM = 16
+_INT4_MAX_AXES_DIM = 2048
 
 # int4: the rotation's seed (one random rotation for every index of D dimensions whose codes keep
-# every coordinate: codes of two such indexes with the same centre are comparable), the steps the encoder tries as multiples of a row's RMS (a coarse pass
-# over 0.16-0.56, then +-0.02 and +-0.04 around the best: 10 tries for a resolution of 0.02), and
-# the levels' half range (codes.h: v = u - 7.5).
+# every coordinate: codes of two such indexes with the same centre are comparable), the steps the
+# encoder tries as multiples of a row's RMS (a coarse pass over 0.16-0.56, then +-0.02 and +-0.04
+# around the best: 10 tries for a resolution of 0.02), and the levels' half range (codes.h:
+# v = u - 7.5).
 _ROTATION_SEED = 0x5EED
 _INT4_COARSE_STEPS = (0.16, 0.24, 0.32, 0.40, 0.48, 0.56)
 _INT4_FINE_OFFSETS = (-0.04, -0.02, 0.02, 0.04)
@@ -179,6 +187,15 @@ class Codes:
     rows: Tensor
     grid: Tensor
 
+    def __post_init__(self):
+        # The search reads int4's coordinates from the rows' width, so rows of another grid's
+        # width would be read wrongly rather than refused (csrc/core/codes.h, int4_row_bytes_fit).
+        if self.kind == "int4" and self.rows.dim() == 2 and self.grid.dim() == 2 and self.grid.device.type != "meta":
+            width = code_row_bytes(self.grid.shape[1], self.metric, "int4", int4_coded_dims(self.grid))
+            if self.rows.shape[1] != width:
+                raise ValueError(f"codes: int4 rows of {self.rows.shape[1]} bytes do not fit their grid, which keeps "
+                                 f"{int4_coded_dims(self.grid)} coordinates ({width} bytes a row)")
+
     @property
     def nbytes(self) -> int:
         """Bytes the codes take (the grid not counted)."""
@@ -230,6 +247,7 @@ def fit_grid(data: Tensor, metric: str = "l2", device: Optional[Union[str, torch
     device = torch.device(device) if device is not None else data.device
     dim = data.shape[1]
     if kind == "int4":
+        check_coded_dims(coded_dims, dim)
         centres, kept = _cell_centres(data, metric, device, default_cells(data.shape[0]) if cells is None else cells)
         if cells is None and kept > _CELLS_MAX_SPREAD_KEPT:
             centres, _ = _cell_centres(data, metric, device, 1)
@@ -320,12 +338,20 @@ def _nearest(x: Tensor, centres: Tensor) -> Tensor:
     return ((cd.square().sum(1))[None] - 2 * xd @ cd.T).argmin(1)
 
 
+def check_coded_dims(coded_dims: Any, dim: int) -> None:
+    """``coded_dims`` of int4 codes of rows of ``dim``: None or a multiple of 32 in [32, code_dims(dim)]."""
+    every = code_dims(dim, "int4")
+    if coded_dims is not None and (not isinstance(coded_dims, int) or isinstance(coded_dims, bool)
+                                   or not 32 <= coded_dims <= every or coded_dims % 32 != 0):
+        raise ValueError(f"coded_dims: expected a multiple of 32 in [32, {every}] for int4 codes, got {coded_dims!r}")
+
+
 def _int4_turn(data: Tensor, metric: str, device: torch.device, centres: Tensor,
                coded_dims: Optional[int]) -> Tensor:
     """float32 [D, D], an int4 grid's rotation (fit_grid): y = u @ it."""
-    dim = data.shape[1]
+    n, dim = data.shape
     every = code_dims(dim, "int4")
-    if coded_dims is None and dim > _INT4_MAX_AXES_DIM:
+    if coded_dims is None and (dim > _INT4_MAX_AXES_DIM or n < _INT4_AXES_ROWS_PER_DIM * dim):
         return _rotation(dim).to(device)
     if coded_dims is not None and coded_dims >= every:
         return _rotation(dim).to(device)
@@ -349,16 +375,18 @@ def _int4_turn(data: Tensor, metric: str, device: torch.device, centres: Tensor,
 def _residual_axes(data: Tensor, metric: str, device: torch.device, centres: Tensor) -> Tuple[Tensor, Tensor]:
     """(float64 [D] variances, largest first; float64 [D, D] the principal axes in columns) of the
     residuals x - c (each row less its nearest centre), on a fixed-seed sample of the rows (the
-    cells' first 65 536). The eigendecomposition runs on the CPU and each axis's largest entry is
-    made positive, so the same rows give the same axes on either device."""
+    cells' first 65 536). The scatter is summed in float64 (no TF32, and about the same sums on
+    either device), the eigendecomposition runs on the CPU and each axis's largest entry is made
+    positive: the same rows give the same axes on one device, and axes equal to rounding on
+    another."""
     n, dim = data.shape
     generator = torch.Generator().manual_seed(_ROTATION_SEED)
     picked = torch.randperm(n, generator=generator)[:min(n, _CELL_SAMPLE_MIN)].sort().values
     scatter = torch.zeros(dim, dim, dtype=torch.float64, device=device)
     for start in range(0, picked.shape[0], _CHUNK_ROWS):
         x = _prepared(data[picked[start:start + _CHUNK_ROWS].to(data.device)], metric, device)
-        e = (x.double() - centres.double()[_nearest(x, centres)]).float()
-        scatter += (e.T @ e).double()
+        e = x.double() - centres.double()[_nearest(x, centres)]
+        scatter += e.T @ e
     variance, axes = torch.linalg.eigh(scatter.cpu() / max(1, picked.shape[0]))
     variance, axes = variance.flip(0).clamp_min(0), axes.flip(1)
     largest = axes.gather(0, axes.abs().argmax(0, keepdim=True))
@@ -517,12 +545,10 @@ def encode(data: Tensor, kind: str = "int8", *, metric: str = "l2", grid: Option
                               or not 1 <= cells <= MAX_CELLS):
         raise ValueError(f"cells: expected an int in [1, {MAX_CELLS}] for int4 codes on a grid fitted here, got "
                          f"{cells!r} ({kind} codes{', a grid given' if grid is not None else ''})")
-    every = code_dims(data.shape[1], "int4")
-    if coded_dims is not None and (kind != "int4" or grid is not None or not isinstance(coded_dims, int)
-                                   or isinstance(coded_dims, bool) or not 32 <= coded_dims <= every
-                                   or coded_dims % 32 != 0):
-        raise ValueError(f"coded_dims: expected a multiple of 32 in [32, {every}] for int4 codes on a grid fitted "
-                         f"here, got {coded_dims!r} ({kind} codes{', a grid given' if grid is not None else ''})")
+    if coded_dims is not None and (kind != "int4" or grid is not None):
+        raise ValueError(f"coded_dims: applies to int4 codes on a grid fitted here, got {coded_dims!r} with "
+                         f"{kind} codes{', a grid given' if grid is not None else ''}")
+    check_coded_dims(coded_dims, data.shape[1])
     if grid is None:
         grid = fit_grid(data, metric, device, kind, cells, coded_dims)
     else:

@@ -256,13 +256,16 @@ class Index:
         return cls(data, graph, metric, params, ids=ids, codes=coded)
 
     @_edits
-    def encode(self, codes: Optional[str] = "int8") -> None:
+    def encode(self, codes: Optional[str] = "int8", *, coded_dims: Optional[int] = None) -> None:
         """Keep codes of the rows for searches to walk by (as ``Index.build(codes=...)``), made
         afresh on a grid fitted to the rows held; None drops them. Codes follow the graph's
-        device."""
+        device. ``coded_dims`` (int4): the coordinates kept, as :func:`torch_grnnd.encode` takes
+        it (e.g. every one, ``code_dims(D, "int4")``, where rows added later may vary along axes
+        the rows held now do not)."""
         if codes is not None and codes not in CODE_KINDS:
             raise ValueError(f"codes: expected None or one of {CODE_KINDS}, got {codes!r}")
-        coded = None if codes is None else encode(self.data, codes, metric=self.metric, device=self.graph.device)
+        coded = None if codes is None else encode(self.data, codes, metric=self.metric, device=self.graph.device,
+                                                  coded_dims=coded_dims)
         self._publish(codes=coded, _store=None)
 
     @_reads

@@ -163,7 +163,8 @@ constexpr int kCodeConstantLanes = 32;
 // among themselves, and the grid's rotation columns past D' are zero; a row then holds D' / 2
 // bytes of codes, so y's terms past D' are 0 and never read. The part of <e, w> on the axes left
 // out is taken as 0, and under l2 K holds the whole |e|^2 in place of |r|^2. The search learns D'
-// from the width of the code rows (int4_row_bytes_fit).
+// from the width of the code rows (int4_row_bytes_fit); it does not read the grid to check that
+// the two agree (a host synchronisation per call), torch_grnnd.Codes does.
 
 constexpr float kInt4HalfRange = 7.5f;  // v = u - 7.5, u in [0, 15]
 constexpr int64_t kInt4TailBytes = 16;   // alpha, K, the cell, padding
