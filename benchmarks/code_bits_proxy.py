@@ -3,14 +3,16 @@
 the R rows nearest by each code's l2 estimate, every row scored (no graph), for 4, 3, 2 and 1
 bits a rotated coordinate.
 
-    python -m benchmarks.code_bits_proxy [--data clustered|lowrank] [--rows N] [--dim D]
+    python -m benchmarks.code_bits_proxy [--data clustered|lowrank|FAMILY:NxD|FILE.pt] [--rows N] [--dim D]
 
 The codes are int4's (csrc/core/codes.h) with other level counts: the rows less their cell's
 centre, turned by the same rotation and cells (``codes.fit_grid(kind="int4")``), coded with a step
 per row (the best of 60 multiples of the row's RMS by the cosine of levels and row; 1 bit: the
 signs), the estimate |q - c_j|^2 + |r|^2 - 2 alpha <v, P (q - c_j)> in float32. A graph search
 re-ranks its final list the same way, so a code that needs twice R here needs about twice the
-list there. A proxy on the CPU: no search kernel runs.
+list there. A proxy on the CPU: no search kernel runs. A last line scores int4 as ``grnnd.encode``
+chooses its coordinates: where it keeps only the leading principal axes (``codes.int4_coded_dims``),
+those axes coded with 4 bits and the rest left out, on the same cells.
 
 ``--transform`` adds codes that spend their bits where the residuals vary: the coordinates
 turned to the principal axes of the residuals (about their cells), each axis given 0-4 bits
@@ -26,6 +28,7 @@ import argparse
 
 import torch
 
+from benchmarks.datasets import make_set
 from torch_grnnd import codes
 
 
@@ -112,7 +115,10 @@ def recall_by_candidates(estimate, exact, truth, lists) -> list:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="clustered", help="clustered, lowrank, or a .pt file of embeddings")
+    p.add_argument("--data", default="clustered",
+                   help="clustered, lowrank, a scale family as FAMILY:NxD (benchmarks/datasets.py, made on the CPU), "
+                   "or a .pt file of embeddings")
+    p.add_argument("--bits", default="4,3,2,1", help="the bit counts of the int4-style lines")
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--queries", type=int, default=300)
@@ -123,6 +129,11 @@ def main():
         blob = torch.load(args.data)
         base = blob["base"][:args.rows].float().contiguous()
         queries = blob["queries"][:args.queries].float().contiguous()
+    elif ":" in args.data:
+        family, shape = args.data.split(":")
+        rows, dim = (int(v) for v in shape.split("x"))
+        base, queries = (part.float().contiguous() for part in
+                         make_set(family, rows, dim, queries=args.queries, device="cpu"))
     else:
         base, queries = rows_and_queries(args.data, args.rows, args.dim, args.queries)
     # Every coordinate coded, on the random rotation: the int4 codes the transforms are set against.
@@ -138,14 +149,28 @@ def main():
     print(f"{args.data} {base.shape[0]} x {dim}, {cells.centres.shape[0]} cells, {queries.shape[0]} queries")
     lists = (10, 16, 32, 64, 128, 256)
 
-    def estimate_of(res, v, turned_queries):
+    def estimate_of(res, v, turned_queries, whole=None):
+        """The l2 estimate with alpha from the coded coordinates res and the row's squared norm
+        ``whole`` (res's own where every coordinate is coded)."""
         alpha = res.square().sum(1) / (v * res).sum(1)
-        return torch.stack([about[i, cell].square().sum(1) + res.square().sum(1)
+        norm = res.square().sum(1) if whole is None else whole
+        return torch.stack([about[i, cell].square().sum(1) + norm
                             - 2 * alpha * (v * turned_queries[i, cell]).sum(1) for i in range(len(queries))])
 
-    for bits in (4, 3, 2, 1):
+    for bits in (int(b) for b in args.bits.split(",")):
         found = recall_by_candidates(estimate_of(r, levels(r, bits), turned), exact, truth, lists)
         print(f"{bits} bits ({bits * dim // 8} B of codes a row): "
+              + " ".join(f"R {size} {rec:.3f}" for size, rec in zip(lists, found)), flush=True)
+    # int4 as grnnd.encode chooses its coordinates (codes.int4_coded_dims): where it keeps fewer
+    # than every one, the leading principal axes on the same cells, the rest left out.
+    chosen = codes._Int4Cells(codes.fit_grid(base, "l2", kind="int4", cells=cells.centres.shape[0]), "l2")
+    if chosen.kept == dim:
+        print("int4 as encode chooses: every coordinate (the 4-bit line)", flush=True)
+    else:
+        kept = ((base.double() - chosen.centres[cell]) @ chosen.rotation).float()
+        found = recall_by_candidates(estimate_of(kept, levels(kept, 4), (about.double() @ chosen.rotation).float(),
+                                                 whole=r.square().sum(1)), exact, truth, lists)
+        print(f"int4 as encode chooses, {chosen.kept} of {dim} coordinates ({chosen.coded // 2} B of codes a row): "
               + " ".join(f"R {size} {rec:.3f}" for size, rec in zip(lists, found)), flush=True)
     if args.transform:
         variance, axes = torch.linalg.eigh(r.double().T @ r.double() / r.shape[0])
