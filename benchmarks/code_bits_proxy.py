@@ -177,7 +177,8 @@ def main():
         variance, axes = variance.flip(0).clamp_min(0).float(), axes.flip(1).float()  # largest first
         share = variance.cumsum(0) / variance.sum()
         print(f"residual variance on the first 10% / 25% / 50% of the axes: {share[dim // 10 - 1]:.2f} / "
-              f"{share[dim // 4 - 1]:.2f} / {share[dim // 2 - 1]:.2f}")
+              f"{share[dim // 4 - 1]:.2f} / {share[dim // 2 - 1]:.2f}; on the last 32 / 64 axes: "
+              f"{1 - share[dim - 33]:.4f} / {1 - share[dim - 65]:.4f}")
         for budget in (int(b) for b in args.transform.split(",")):
             allocations = [("water-filling", water_filling(variance, 8 * budget))]
             if 3 * dim <= 8 * budget <= 4 * dim:  # the leading axes 4 bits, the rest 3

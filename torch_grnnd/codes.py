@@ -352,19 +352,15 @@ def _int4_turn(data: Tensor, metric: str, device: torch.device, centres: Tensor,
     n, dim = data.shape
     every = code_dims(dim, "int4")
     if coded_dims is None and (dim > _INT4_MAX_AXES_DIM or n < _INT4_AXES_ROWS_PER_DIM * dim):
-        return _rotation(dim).to(device)
+        coded_dims = every  # too wide to fit the axes, or too few rows to tell the data's directions
     if coded_dims is not None and coded_dims >= every:
         return _rotation(dim).to(device)
     variance, axes = _residual_axes(data, metric, device, centres)
     if coded_dims is None:
         # The fewest coordinates, in groups of 32, whose axes leave out at most the allowed share.
         left_out = variance.flip(0).cumsum(0).flip(0)  # left_out[i]: the variance on axes i, i + 1, ...
-        total = float(left_out[0]) if dim > 0 else 0.0
-        coded_dims = every
-        for kept in range(32, every, 32):
-            if total > 0 and float(left_out[kept]) <= _INT4_DROPPED_VARIANCE * total:
-                coded_dims = kept
-                break
+        coded_dims = next((kept for kept in range(32, every, 32)
+                           if left_out[0] > 0 and left_out[kept] <= _INT4_DROPPED_VARIANCE * left_out[0]), every)
         if coded_dims >= every:
             return _rotation(dim).to(device)
     turn = torch.zeros(dim, dim, dtype=torch.float64)
@@ -407,9 +403,9 @@ def encode_rows(rows: Tensor, grid: Tensor, metric: str) -> Tensor:
     kind = grid_kind(grid)
     n, dim = rows.shape
     device = grid.device
-    coded = int4_coded_dims(grid) if kind == "int4" else None
-    out = torch.zeros(n, code_row_bytes(dim, metric, kind, coded), dtype=torch.uint8, device=device)
     cells = _Int4Cells(grid, metric) if kind == "int4" else None
+    coded = cells.coded if cells is not None else None
+    out = torch.zeros(n, code_row_bytes(dim, metric, kind, coded), dtype=torch.uint8, device=device)
     for start in range(0, n, _CHUNK_ROWS):
         x = _prepared(rows[start:start + _CHUNK_ROWS], metric, device)
         part = out[start:start + x.shape[0]]
