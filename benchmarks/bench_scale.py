@@ -73,13 +73,15 @@ def measure(base, queries, truth, settings: dict, lists, labels, rare) -> dict:
 
     grnnd.build(base, progress=report, **settings)
     # Progress costs a synchronisation per round; time the build again without it, and take the
-    # peak GPU memory it needs beyond the data (issue bound: 2 * N * pool_size * 8 bytes + 10%).
+    # peak GPU memory it needs beyond the data (issue bound: 2 * N * pool_size * 8 bytes + 10%, with
+    # the pools a build ends with: a widened build's are wider, BuildParams.widen).
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     graph, secs = cuda_time(lambda: grnnd.build(base, **settings))
     peak = torch.cuda.max_memory_allocated() - before
-    pool_size = settings.get("pool_size", BuildParams().pool_size)
+    p = BuildParams(**{name: value for name, value in settings.items() if name in ("degree", "pool_size")})
+    pool_size = p.wide_pool_size if graph.shape[1] > p.degree else p.pool_size
     hubs = grnnd.diagnostics.hubs(base)
     unreachable = float((~grnnd.diagnostics.reachable(graph, hubs)).double().mean()) if hubs.numel() else None
     row = {"build": settings, "build_s": secs, "rounds": len(rounds), "changes": rounds, "build_unfound": measured,

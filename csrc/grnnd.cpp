@@ -78,13 +78,15 @@ TORCH_LIBRARY(grnnd, m) {
   // init_split: where a merge's second graph starts (init_mode "merge"; each row then draws
   // from the other graph, hubs.h, initial_neighbour) or a graph's new rows (init_mode "grow",
   // Index.add); build_schedule.h, Split. 0: draws from all rows.
+  // widen: a build from scratch whose rows stay hard to find widens its pools and rows as it goes
+  // (build_schedule.h, kWidenShare), so its graph may be wider than `degree`.
   // pair_code_rows, pair_code_scale: one-byte codes of the rows that the update rounds take their
   // pair distances from (l2 and cosine; checks.h, check_pair_codes; torch_grnnd/codes.py, pair_codes).
   m.def(
       "build(Tensor data, *, int degree=48, int initial_degree=16, int pool_size=48, int outer_iters=8, "
       "int inner_iters=8, float reverse_ratio=0.6, str update_order=\"descending\", str metric=\"l2\", "
       "int seed=0, float delta=0.02, str start=\"hubs\", Tensor? init=None, int init_split=0, "
-      "str init_mode=\"merge\", Tensor? pair_code_rows=None, float pair_code_scale=0.) -> Tensor");
+      "str init_mode=\"merge\", Tensor? pair_code_rows=None, float pair_code_scale=0., bool widen=True) -> Tensor");
   // Batched greedy graph search; list_size=0 means max(k, 64). No argument is keyword-only:
   // torch.library.register_autograd (torch_grnnd/autograd.py) rejects keyword-only tensors
   // such as `filter`; the Python wrapper keeps them keyword-only for callers.

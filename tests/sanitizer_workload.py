@@ -37,6 +37,12 @@ def basics(g: torch.Generator):
     # Pools wider than 64 entries: the update round's visit order by counting, not in registers.
     grnnd.build(torch.randn(1500, 16, device="cuda"), update_order="random", pool_size=96, degree=64, outer_iters=1,
                 inner_iters=2)
+    # A build that widens: rows hard to find in narrow pools, which grow from 16 to 21 entries a row
+    # after the second outer iteration (build_schedule.h, kWidenShare), on the rows and on pair codes.
+    for pair_codes in (False, True):
+        graph = grnnd.build(torch.randn(3000, 64, generator=g, device="cuda"), degree=16, pool_size=16,
+                            initial_degree=8, outer_iters=4, inner_iters=2, pair_codes=pair_codes)
+        assert graph.shape[1] == 32, graph.shape
     for dtype, metric, k in [(torch.float32, "l2", 10), (torch.float16, "cosine", 300), (torch.bfloat16, "ip", 1)]:
         data = torch.randn(3000, 24, generator=g, device="cuda").to(dtype)
         grnnd.knn(data, data[:40], k, metric=metric)

@@ -164,10 +164,15 @@ def test_a_row_counts_the_copy_the_kernels_make_of_it():
     assert [memory.row_bytes(dim, size, "ip") for size in (2, 4, 8)] == [200, 400, 1200]
     assert [memory.row_bytes(dim, size, "cosine") for size in (2, 4, 8)] == [400, 800, 1600]
     rest = memory.bytes_per_row(dim, 2, params) - memory.row_bytes(dim, 2)
-    assert rest == 2 * params.pool_size * 8 + 28 + 2 * params.degree * 4
+    # A build that may widen counts its wider pools and rows; under inner product it never widens.
+    assert rest == 2 * params.wide_pool_size * 8 + 28 + 2 * params.wide_degree * 4
     assert memory.bytes_per_row(dim, 2, params, "cosine") == 400 + rest
-    # a shard's plan counts one more row (measured faster than shards of what the build fits)
-    assert memory.shard_bytes_per_row(dim, 2, params, "cosine") == 600 + rest
+    assert memory.bytes_per_row(dim, 2, params, "ip") == 200 + 2 * params.pool_size * 8 + 28 + 2 * params.degree * 4
+    # a shard's plan counts one more row (measured faster than shards of what the build fits), and
+    # a shard never widens (memory.within_budget)
+    narrow = memory.bytes_per_row(dim, 2, params.replace(widen=False)) - memory.row_bytes(dim, 2)
+    assert narrow == 2 * params.pool_size * 8 + 28 + 2 * params.degree * 4
+    assert memory.shard_bytes_per_row(dim, 2, params, "cosine") == 600 + narrow
     # a budget of the same bytes holds fewer cosine rows, and their joins read fewer rows
     budget, n = 10**10, 10**8
     assert budget // memory.bytes_per_row(dim, 2, params, "cosine") < budget // memory.bytes_per_row(dim, 2, params)

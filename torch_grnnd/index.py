@@ -432,7 +432,9 @@ class Index:
         store_data[n:n + b] = vectors
         self._encode_new_rows(store_codes, vectors)
         init = torch.cat([self.graph, self.graph.new_full((b, self.graph.shape[1]), -1)])
-        graph = ops.build(store_data[:n + b], self.build_params, metric=self.metric, progress=progress, init=init,
+        # The rows keep the graph's width, which its build may have widened (BuildParams.widen).
+        params = self.build_params.replace(degree=max(self.build_params.degree, self.graph.shape[1]))
+        graph = ops.build(store_data[:n + b], params, metric=self.metric, progress=progress, init=init,
                           init_split=n, init_mode="grow")
         write_in_place = None
         if graph.shape == store_graph[:n + b].shape:  # else a graph not of the build's width (Index(data, graph))

@@ -45,26 +45,31 @@ def bytes_per_row(dim: int, element_size: int, p: BuildParams, metric: str = "l2
     the pools, their counts and locks, the start's cells, the graph with its fill, and with
     ``pair_codes`` the row's codes (one byte a dimension, in 16s). A copy counted under every
     metric asked 2.3-2.4x what l2 builds on pair codes of 1M and 4M x 1 024 float16 rows took
-    (benchmarks/README.md, "Building on one-byte codes")."""
+    (benchmarks/README.md, "Building on one-byte codes"). The pools and the graph are a widened
+    build's where the build may widen (``BuildParams.widen``): the most it can hold."""
     codes = code_dims(dim) if p.pair_codes else 0
-    return row_bytes(dim, element_size, metric) + 2 * p.pool_size * 8 + 16 + 12 + 2 * p.degree * 4 + codes
+    pool_size, degree = (p.wide_pool_size, p.wide_degree) if p.may_widen(metric) else (p.pool_size, p.degree)
+    return row_bytes(dim, element_size, metric) + 2 * pool_size * 8 + 16 + 12 + 2 * degree * 4 + codes
 
 
 def shard_bytes_per_row(dim: int, element_size: int, p: BuildParams, metric: str = "l2") -> int:
     """Device bytes a row of a shard takes in the plans of builds within a budget
     (:mod:`torch_grnnd.out_of_core`, :class:`~torch_grnnd.SwappingIndex`): its build's
-    (:func:`bytes_per_row`) and one more row. Shards of what the build alone fits were slower:
+    (:func:`bytes_per_row` of :func:`within_budget`'s settings, which the shards build with) and
+    one more row. Shards of what the build alone fits were slower:
     10M x 1024 float16 rows in 8 GB on one H200 built in 8 shards of up to 2.48M rows in 26.8 s,
     against 24.5 s in 11 shards of up to 1.52M (recall@10 at list 64 0.9831 against 0.9812, one
     seed; benchmarks/README.md, "Within the budget"): fewer cells cut the rows, and more of them
     lay near a border and were built twice."""
-    return bytes_per_row(dim, element_size, p, metric) + dim * max(element_size, 2)
+    return bytes_per_row(dim, element_size, within_budget(p), metric) + dim * max(element_size, 2)
 
 
 def within_budget(p: BuildParams) -> BuildParams:
     """``p`` for a build within a memory budget: the rows, not pair codes, unless ``pair_codes``
-    asks for them (the codes' bytes would take rows from every shard)."""
-    return p.replace(pair_codes=bool(p.pair_codes))
+    asks for them (the codes' bytes would take rows from every shard), and no widening (``widen``:
+    its wider pools, which a build checks against the device's free memory alone, would pass the
+    budget, and the shards' rows would differ in width)."""
+    return p.replace(pair_codes=bool(p.pair_codes), widen=False)
 
 
 def free_bytes(device: torch.device) -> int:

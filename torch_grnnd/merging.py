@@ -42,9 +42,11 @@ def schedule(params: BuildParams, settings: Dict[str, Any]) -> BuildParams:
 
 def merge_graphs(data_a: Tensor, graph_a: Tensor, data_b: Tensor, graph_b: Tensor, params: BuildParams,
                  metric: ops.Metric, progress: Progress = False) -> Tuple[Tensor, Tensor]:
-    """``(data, graph)`` over the rows of a then b: ``graph`` int32 [Na + Nb, params.degree]."""
+    """``(data, graph)`` over the rows of a then b: ``graph`` int32 [Na + Nb, the larger of
+    params.degree and the two graphs' widths] (a graph its build widened keeps its width)."""
     n_a = data_a.shape[0]
     width = max(graph_a.shape[1], graph_b.shape[1])
+    params = params.replace(degree=max(params.degree, width))
 
     def widened(graph: Tensor, offset: int) -> Tensor:
         graph = torch.where(graph >= 0, graph + offset, graph)

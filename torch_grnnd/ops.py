@@ -36,7 +36,8 @@ def build(data: Tensor, params: Optional[BuildParams] = None, *, metric: Metric 
             data, degree=p.degree, initial_degree=p.initial_degree, pool_size=p.pool_size,
             outer_iters=p.outer_iters, inner_iters=p.inner_iters, reverse_ratio=p.reverse_ratio,
             update_order=p.update_order, metric=metric, seed=p.seed, delta=delta, start=p.start, init=init,
-            init_split=init_split, init_mode=init_mode, pair_code_rows=code_rows, pair_code_scale=code_scale)
+            init_split=init_split, init_mode=init_mode, pair_code_rows=code_rows, pair_code_scale=code_scale,
+            widen=p.widen)
 
     if not torch.compiler.is_compiling():  # a compiled graph cannot hold a host-side log call
         logger.debug("build: %s %s on %s, metric=%s, pairs compared on the %s, %s", tuple(data.shape), data.dtype,
@@ -174,8 +175,14 @@ def _query_outputs(data: Tensor, queries: Tensor, k: int, graph: Optional[Tensor
 
 # Fake kernels receive the arguments as the caller passed them (defaults not filled in).
 @torch.library.register_fake("grnnd::build")
-def _build_fake(data, *, degree=BuildParams.degree, **_):
-    return data.new_empty((data.shape[0], degree), dtype=torch.int32)
+def _build_fake(data, *, degree=BuildParams.degree, pool_size=BuildParams.pool_size,
+                outer_iters=BuildParams.outer_iters, delta=ROWS_DELTA, metric="l2", init=None, widen=BuildParams.widen,
+                **_):
+    p = BuildParams(degree=degree, pool_size=pool_size, outer_iters=outer_iters, delta=delta, widen=widen)
+    width = degree
+    if p.may_widen(metric, from_scratch=init is None) and p.wide_degree > degree:  # as the data decides
+        width = torch.library.get_ctx().new_dynamic_size(min=degree, max=p.wide_degree)
+    return data.new_empty((data.shape[0], width), dtype=torch.int32)
 
 
 @torch.library.register_fake("grnnd::search")

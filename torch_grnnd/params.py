@@ -144,6 +144,23 @@ class BuildParams(_Settings):
             small batches (100 to 1 000 queries, list 32) searched the codes' graphs of real
             embeddings 2-15% slower, which is why narrower rows keep the rows by default
             (benchmarks/README.md, "Building on one-byte codes").
+        widen: a build from scratch whose rows stay hard to find goes on wider. After its second
+            outer iteration the build measures the share of a sample of its rows that a search of
+            its graph so far misses (the unfound share, as :func:`torch_grnnd.diagnostics.unfound_share`
+            measures a graph); where that passes 0.05 its pools grow by a third in place and it
+            returns rows of twice ``degree`` (degree 96 over pools of 64 at the defaults). On the
+            families of large low-contrast clusters (Zipf-sized, anisotropic: shares of 0.18 and
+            more from 1M rows) the wider graph finds at list 64 about what the narrow one finds at
+            list 128, at 0.95-1.3x its queries/s at equal recall; blobs and real sentence
+            embeddings (0.013 and 0.005) keep their width, where a wider graph only cost
+            (benchmarks/README.md, "Widening the hard builds"). So the graph's width depends on
+            the data: ``graph.shape[1]`` is ``degree`` or twice it (and inside torch.compile a
+            size known when the build has run). A widened build holds its wider pools at its peak
+            (``memory.bytes_per_row`` counts them where a build may widen). False keeps
+            ``degree``; builds under inner product (where a row need not be its own best match, so
+            the share says nothing of reach), from ``init`` (merges, the adds that grow an index's
+            graph), with ``delta=0`` or fewer than three outer iterations never widen, and neither
+            do the shards of out-of-core builds.
     """
 
     degree: int = _default(_build, "degree")
@@ -157,6 +174,29 @@ class BuildParams(_Settings):
     delta: Optional[float] = None
     start: str = _default(_build, "start")
     pair_codes: Optional[bool] = None
+    widen: bool = _default(_build, "widen")
+
+    def may_widen(self, metric: str = "l2", from_scratch: bool = True) -> bool:
+        """Whether a build with these settings may widen (``widen``): from scratch, under l2 or
+        cosine, measuring its unfound share (``delta`` > 0, three outer iterations or more) and with
+        wider widths to go to; the condition of csrc/build/build_schedule.h, ``may_widen``."""
+        delta = self.delta if self.delta is not None else ROWS_DELTA
+        return (self.widen and metric != "ip" and from_scratch and delta > 0 and self.outer_iters > 2
+                and (self.wide_degree > self.degree or self.wide_pool_size > self.pool_size))
+
+    @property
+    def wide_degree(self) -> int:
+        """The width of a widened build's rows (BuildParams::wide_degree in csrc/core/params.h)."""
+        return min(2 * self.degree, MAX_DEGREE)
+
+    @property
+    def wide_pool_size(self) -> int:
+        """A widened build's pool size (BuildParams::wide_pool_size in csrc/core/params.h)."""
+        return min(self.pool_size + self.pool_size // 3, MAX_DEGREE)
+
+
+# The widest rows a build returns (kMaxPoolSize in csrc/core/params.h).
+MAX_DEGREE = 256
 
 
 # The longest candidate list a search keeps, and so the most neighbours it returns (kMaxListSize

@@ -146,6 +146,38 @@ double unfound_share(const at::Tensor& data, const at::Tensor& graph, c10::strin
 // graph) starts from settled rows and keeps the test from its second outer iteration.
 inline int first_tested_outer_iteration(bool from_graph) { return from_graph ? 1 : 2; }
 
+// Where the rows stay hard to find, a wider graph finds more at a list: on the families of large
+// low-contrast clusters degree 96 over pools of 64 found at list 64 what the defaults' 48 and 48
+// found at list 128 (zipf_aniso 10M x 1024, one H200: recall@10 0.696 -> 0.777 in queries, 0.958
+// -> 0.975 rare) at 0.88-1.30x their queries/s at equal recall, while on blobs and real sentence
+// embeddings, whose recall saturates, it only cost (0.57x at equal recall on the embeddings). No
+// sample of the rows tells the two apart (a sample's density is not the data's), but the unfound
+// share a build measures after its second outer iteration does: at most 0.0134 on every set that
+// should keep its width (blobs 10M x 384; 0.0056 on 1M real embeddings), at least 0.18 on every
+// hard one from 1M rows, 0.077 on zipf 200k x 128 where the wider graph gained 0.04 at list 64
+// (benchmarks/README.md, "A wider graph on the hard families"). So a build whose first measured
+// share passes kWidenShare, near the middle of the two on a log scale, goes on with the wide
+// widths (BuildParams::wide_degree, wide_pool_size): its pools grow in place, keeping what they
+// hold. The share its wider pools measure next cannot end the build, only start the comparisons
+// again: measured against the narrow pools' share it counted the widening as reach gained, and
+// measured alone it ended the build an outer iteration after the widening, short of a build wide
+// from the start (CPU, one Gaussian of 60 000 x 64 rows, recall@10 at list 32: 0.698 against
+// 0.722; going on, 0.716). Measured on the families (benchmarks/README.md, "Widening the hard
+// builds").
+constexpr double kWidenShare = 0.05;
+
+// Whether a build may widen: one from scratch that measures the unfound share (run_schedule) and
+// has wider widths to go to, under l2 or cosine. Under inner product a row need not be its own
+// best match, so the share does not tell rows hard to find (20 000 x 32 Gaussian rows, CPU: a
+// first share of 0.067 under inner product, 0.0068 under l2). The fake kernel
+// (torch_grnnd/ops.py) gives such a build's graph a width that depends on the data
+// (BuildParams.may_widen, the same condition).
+inline bool may_widen(const BuildParams& p, bool from_graph) {
+  return p.widen && p.metric != Metric::kIP && p.delta > 0 && !from_graph &&
+         p.outer_iters > first_tested_outer_iteration(from_graph) &&
+         (p.wide_degree() > p.degree || p.wide_pool_size() > p.pool_size);
+}
+
 // from_graph: the build starts from entries it is given (start_entries). update(order, round,
 // count) runs update round `round` (1-based, the random streams' counter) in `order` and returns
 // the pool entries it changed when `count` is true (on the GPU counting costs a host
@@ -153,10 +185,13 @@ inline int first_tested_outer_iteration(bool from_graph) { return from_graph ? 1
 // unfound_share (after reverse(), from the outer iteration before the first tested one on, in
 // builds from scratch that converge and have an outer iteration left). Reports (rounds done,
 // T1 x T2, changes, the last unfound share or -1) after each round, and (done, done, changes,
-// unfound) at the end of a build that converged before the cap. Returns the rounds run.
-template <typename Update, typename Reverse, typename Unfound>
-int64_t run_schedule(const BuildParams& p, int64_t n, bool from_graph, Update&& update, Reverse&& reverse,
-                     Unfound&& unfound) {
+// unfound) at the end of a build that converged before the cap. widen(wide_pool_size) grows the
+// pools to that many entries a row and returns false, changing nothing, where there is no memory
+// for them; the schedule then sets p's degree and pool size to the wide ones (a build passes its
+// own p, and returns rows of p.degree). Returns the rounds run.
+template <typename Update, typename Reverse, typename Unfound, typename Widen>
+int64_t run_schedule(BuildParams& p, int64_t n, bool from_graph, Update&& update, Reverse&& reverse,
+                     Unfound&& unfound, Widen&& widen) {
   const bool converge = p.delta > 0;
   const bool report = progress_requested();
   const int64_t cap = static_cast<int64_t>(p.outer_iters) * p.inner_iters;
@@ -164,8 +199,11 @@ int64_t run_schedule(const BuildParams& p, int64_t n, bool from_graph, Update&& 
   // A build from a graph starts from rows a search already finds; its new rows are few or
   // settle with the rest (merges, growing adds), and the change counts alone decide its end.
   const bool probes = converge && !from_graph;
+  bool may_grow = may_widen(p, from_graph);
   int64_t done = 0, changes = 0;
   double unfound_rows = -1;  // the last measured unfound share; -1 before the first
+  double baseline = -1;      // the share the next one is compared with; -1 after a widening too
+  bool widened = false;      // the pools grew after the last measure
   uint32_t round = 0;
   for (int t1 = 0; t1 < p.outer_iters; ++t1) {
     const UpdateOrder order = order_for_iteration(p.update_order, t1, p.outer_iters);
@@ -188,9 +226,20 @@ int64_t run_schedule(const BuildParams& p, int64_t n, bool from_graph, Update&& 
     // 0.947 -> 0.962).
     if (p.reverse_ratio > 0) reverse();
     if (probes && t1 + 1 >= first_tested && t1 + 1 < p.outer_iters) {
-      const double before = unfound_rows;
       unfound_rows = unfound();
-      if (before >= 0 && before - unfound_rows > kFoundShareOfDelta * p.delta) settled = false;
+      // Without a share to compare with (the first after a widening) the build goes on.
+      if (baseline < 0 ? widened : baseline - unfound_rows > kFoundShareOfDelta * p.delta) settled = false;
+      baseline = unfound_rows;
+      widened = false;
+      if (may_grow && unfound_rows > kWidenShare && widen(p.wide_pool_size())) {
+        const int degree = p.wide_degree(), pool_size = p.wide_pool_size();
+        p.degree = degree;
+        p.pool_size = pool_size;
+        baseline = -1;
+        widened = true;
+        settled = false;
+      }
+      may_grow = false;  // only the first measure decides
     }
     if (settled) {
       if (report && done < cap) report_progress(done, done, changes, unfound_rows);

@@ -12,7 +12,7 @@
 //
 // Recipe, for each row v holding c entries (ids >= 0), 0 < c < degree:
 //   1. Candidates: its c entries ("own"), then for each own entry u, in row order, the first
-//      per = min(degree, max(1, kFillCandidates / c)) entries of u's row. Ids outside [0, n), v
+//      per = min(degree, max(1, fill_candidates(degree) / c)) entries of u's row. Ids outside [0, n), v
 //      itself and repeats are dropped; an id that is also own counts as own.
 //   2. d(v, w) for each distinct candidate: the build's distance (the metric on the prepared
 //      rows; inner product as squared l2 in the lifted space, params.h).
@@ -30,6 +30,7 @@
 #include <ATen/ATen.h>
 
 #include "../core/params.h"
+#include "../core/philox.h"
 
 namespace grnnd {
 
@@ -38,6 +39,15 @@ namespace grnnd {
 // search recall.
 constexpr int kFillCandidates = 128;
 constexpr int kFillPasses = 3;
+// Rows wider than kFillDegree places look at proportionally more. A widened build's rows of 96
+// (build_schedule.h, kWidenShare) filled from 128 left rows as short as 63 entries on zipf_aniso
+// 1M x 1024 and recalled less (one H200, recall@10 at list 32 / 64 / 128: 0.807 / 0.882 / 0.930
+// against 0.820 / 0.885 / 0.935 from 256; zipf 1M x 384 0.787 / 0.858 / 0.915 against 0.792 /
+// 0.866 / 0.917; benchmarks/results/scale_widen_1m_{fill128_,}h200.md).
+constexpr int kFillDegree = 48;
+GRNND_HOST_DEVICE int fill_candidates(int degree) {
+  return degree > kFillDegree ? kFillCandidates * degree / kFillDegree : kFillCandidates;
+}
 
 // Keys of the CUDA fill are 2 * id + 1 bit (repeats adjacent, own first), below the sort's empty
 // key 2^31 - 1.
@@ -46,7 +56,8 @@ constexpr int64_t kMaxFillRows = (int64_t{1} << 30) - 1;
 // The graph (int32 [n, degree], rows ascending by distance, -1 padded) with its rows filled by
 // the recipe above; x and lift are the prepared rows and inner-product lift the build measured
 // (prune.h, inner_product_lift), `metric` the build's metric.
-at::Tensor fill_rows_cpu(const at::Tensor& graph, const at::Tensor& x, const at::Tensor& lift, Metric metric);
-at::Tensor fill_rows_cuda(const at::Tensor& graph, const at::Tensor& x, const at::Tensor& lift, Metric metric);
+// `graph` by value: a caller that moves it in frees it after the first pass.
+at::Tensor fill_rows_cpu(at::Tensor graph, const at::Tensor& x, const at::Tensor& lift, Metric metric);
+at::Tensor fill_rows_cuda(at::Tensor graph, const at::Tensor& x, const at::Tensor& lift, Metric metric);
 
 }  // namespace grnnd

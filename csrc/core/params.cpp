@@ -33,7 +33,8 @@ Start parse_start(const std::string& name) {
 
 BuildParams make_build_params(int64_t degree, int64_t initial_degree, int64_t pool_size, int64_t outer_iters,
                               int64_t inner_iters, double reverse_ratio, const std::string& update_order,
-                              const std::string& metric, int64_t seed, double delta, const std::string& start) {
+                              const std::string& metric, int64_t seed, double delta, const std::string& start,
+                              bool widen) {
   // A row keeps what the relative-neighbourhood rule left of its pool (about 15 entries on
   // clustered data) and is filled up to the degree from two hops away (fill.h), so the degree
   // may exceed the pool.
@@ -58,7 +59,8 @@ BuildParams make_build_params(int64_t degree, int64_t initial_degree, int64_t po
           parse_metric(metric),
           static_cast<uint64_t>(seed),
           delta,
-          parse_start(start)};
+          parse_start(start),
+          widen};
 }
 
 SearchParams make_search_params(int64_t k, int64_t list_size, int64_t search_width, int64_t max_iters,

@@ -71,14 +71,23 @@ struct BuildParams {
   // round. T1 and T2 are then caps. 0 runs all T1 x T2 rounds.
   double delta;
   Start start;
+  // widen: a build from scratch whose rows stay hard to find goes on with wide pools and returns
+  // wide rows (build_schedule.h, kWidenShare).
+  bool widen;
 
   // The most pool entries a converged round may change.
   double converged_changes(int64_t n) const { return delta * static_cast<double>(n) * pool_size; }
+  // The widths a widened build goes on with: twice the degree and pools a third larger, the
+  // widths measured on the hard families (degree 96 and pools of 64 from the defaults' 48 and 48;
+  // benchmarks/README.md, "A wider graph on the hard families").
+  int wide_degree() const { return std::min(2 * degree, kMaxPoolSize); }
+  int wide_pool_size() const { return std::min(pool_size + pool_size / 3, kMaxPoolSize); }
 };
 
 BuildParams make_build_params(int64_t degree, int64_t initial_degree, int64_t pool_size, int64_t outer_iters,
                               int64_t inner_iters, double reverse_ratio, const std::string& update_order,
-                              const std::string& metric, int64_t seed, double delta, const std::string& start);
+                              const std::string& metric, int64_t seed, double delta, const std::string& start,
+                              bool widen);
 
 // Largest k the exact knn returns (its GPU selection keeps k plus a margin in shared memory).
 constexpr int kMaxKnnK = 1024;

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include <torch/library.h>
@@ -62,6 +63,23 @@ class Pools {
     }
     __builtin_prefetch(counts_[buf].data() + v, 1);
     __builtin_prefetch(&locks_[v], 1);
+  }
+
+  // Pools of `capacity` entries a row (more than now) holding what buffer `read` holds, in
+  // buffer 0; buffer 1 is written by the next round.
+  void widen(int read, int capacity) {
+    std::vector<uint32_t> slots(n_ * capacity);
+    std::vector<float> dists(n_ * capacity);
+    for (int64_t v = 0; v < n_; ++v) {
+      std::copy_n(slots_[read].data() + v * capacity_, capacity_, slots.data() + v * capacity);
+      std::copy_n(dists_[read].data() + v * capacity_, capacity_, dists.data() + v * capacity);
+    }
+    counts_[0] = counts_[read];
+    slots_[0] = std::move(slots);
+    dists_[0] = std::move(dists);
+    slots_[1].assign(n_ * capacity, 0);
+    dists_[1].assign(n_ * capacity, 0.0f);
+    capacity_ = capacity;
   }
 
   void copy(int from, int to) {
@@ -291,11 +309,11 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
                      int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
                      c10::string_view metric, int64_t seed, double delta, c10::string_view start,
                      const c10::optional<at::Tensor>& init, int64_t init_split, c10::string_view init_mode,
-                     const c10::optional<at::Tensor>& pair_code_rows, double pair_code_scale) {
+                     const c10::optional<at::Tensor>& pair_code_rows, double pair_code_scale, bool widen) {
   check_build_inputs(data);
-  const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
-                                          std::string(update_order), std::string(metric), seed, delta,
-                                          std::string(start));
+  BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
+                                    std::string(update_order), std::string(metric), seed, delta, std::string(start),
+                                    widen);
   const at::Tensor codes = check_pair_codes(pair_code_rows, pair_code_scale, data, p.metric);
   const int64_t n = data.size(0);
   const at::Tensor x = prepare_build_vectors(data, p.metric);
@@ -357,7 +375,12 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
         sample_reverse_edges(n, pools, read, p);
         read ^= 1;
       },
-      [&] { return unfound_share(data, pools_graph(), metric); });
+      [&] { return unfound_share(data, pools_graph(), metric); },
+      [&](int wide_pool_size) {
+        pools.widen(read, wide_pool_size);
+        read = 0;
+        return true;
+      });
 
   at::Tensor graph = fill_rows_cpu(pools_graph(), x, lift, p.metric);
   connect_unreachable(graph, data, metric, x, lift);

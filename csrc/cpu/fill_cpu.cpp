@@ -32,7 +32,8 @@ at::Tensor fill_pass(const at::Tensor& graph, const cpu::VectorSet& vectors) {
     const int64_t own = static_cast<int64_t>(list.size());
     if (own == 0 || own >= degree) return;
     // 1. Two-hop candidates, then one copy of each id (the own one where there is one).
-    const int64_t per = std::min<int64_t>(degree, std::max<int64_t>(1, kFillCandidates / own));
+    const int64_t per =
+        std::min<int64_t>(degree, std::max<int64_t>(1, fill_candidates(static_cast<int>(degree)) / own));
     for (int64_t j = 0; j < own; ++j) {
       const int32_t* hop = in + static_cast<int64_t>(list[j].id) * degree;
       for (int64_t t = 0; t < per; ++t) {
@@ -68,7 +69,7 @@ at::Tensor fill_pass(const at::Tensor& graph, const cpu::VectorSet& vectors) {
 
 }  // namespace
 
-at::Tensor fill_rows_cpu(const at::Tensor& graph, const at::Tensor& x, const at::Tensor& lift, Metric metric) {
+at::Tensor fill_rows_cpu(at::Tensor graph, const at::Tensor& x, const at::Tensor& lift, Metric metric) {
   cpu::VectorSet vectors{x.data_ptr<float>(), x.size(1), metric};
   if (lift.defined()) vectors.lift = lift.data_ptr<float>();
   at::Tensor filled = graph.contiguous();

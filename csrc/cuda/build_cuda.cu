@@ -86,17 +86,21 @@ static_assert(kWarpsPerBlock * kScratchWords * kMaxPoolSize * 4 <= 48 * 1024, "s
 
 // Section 3.5: two fixed [N, R] buffers of (slot, dist) plus counts; buffer `read` holds the
 // current pools, `read ^ 1` receives the next ones. One lock word per vertex guards inserts
-// into its pool (only one buffer is written by any kernel, so one lock serves both).
+// into its pool (only one buffer is written by any kernel, so one lock serves both). Each
+// buffer's slots and distances are allocations of their own, so that a widening build can free
+// them one at a time (widen_pools).
 struct DevicePools {
-  uint32_t* slots;  // [2, n, capacity]
-  float* dists;     // [2, n, capacity]
-  int* counts;      // [2, n]
-  int* locks;       // [n]
+  uint32_t* slots[2];  // [n, capacity] each
+  float* dists[2];     // [n, capacity] each
+  int* counts;         // [2, n]
+  int* locks;          // [n]
   int64_t n;
   int capacity;
 
-  __device__ uint32_t* slots_of(int buf, int64_t v) const { return slots + (buf * n + v) * capacity; }
-  __device__ float* dists_of(int buf, int64_t v) const { return dists + (buf * n + v) * capacity; }
+  GRNND_HOST_DEVICE uint32_t* slot_buffer(int buf) const { return buf ? slots[1] : slots[0]; }
+  GRNND_HOST_DEVICE float* dist_buffer(int buf) const { return buf ? dists[1] : dists[0]; }
+  __device__ uint32_t* slots_of(int buf, int64_t v) const { return slot_buffer(buf) + v * capacity; }
+  __device__ float* dists_of(int buf, int64_t v) const { return dist_buffer(buf) + v * capacity; }
   __device__ int* count_of(int buf, int64_t v) const { return counts + buf * n + v; }
 
   // Calls insert_all(insert) under v's lock in buffer `buf`, where insert(slot, dist) is
@@ -775,19 +779,96 @@ __global__ void __launch_bounds__(kBlockThreads)
   for (int r = lane; r < degree; r += kWarpSize) row[r] = r < kept ? slot_id(s.slot[s.order[r]]) : -1;
 }
 
+// "12.3 MiB" / "4.5 GiB" for error messages.
+std::string human_bytes(int64_t bytes) {
+  const bool gib = bytes >= (int64_t{1} << 30);
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.1f %s", static_cast<double>(bytes) / (gib ? 1 << 30 : 1 << 20),
+                gib ? "GiB" : "MiB");
+  return text;
+}
+
+// Free memory on the current device: the driver's free plus what the caching allocator holds
+// reserved but unused (it hands that out before asking the driver).
+int64_t free_device_bytes(c10::DeviceIndex device) {
+  size_t free_bytes = 0, total_bytes = 0;
+  C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  int64_t cached = 0;
+  try {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+    const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    cached = stats.reserved_bytes[aggregate].current - stats.allocated_bytes[aggregate].current;
+  } catch (const c10::Error&) {
+    cached = 0;  // an allocator backend without stats: the driver's number alone
+  }
+  return static_cast<int64_t>(free_bytes) + std::max<int64_t>(cached, 0);
+}
+
+// The pools' buffers as tensors: slots (int32 holding the uint32 slots) and distances of buffers
+// 0 and 1, [N, capacity] each; a widening build replaces them (widen_pools).
+struct PoolBuffers {
+  at::Tensor slots[2];
+  at::Tensor dists[2];
+};
+
+// Pools of `capacity` entries a row holding what buffer `read` holds, in buffer 0 (buffer 1 is
+// written by the next round); `read` becomes 0. The spare buffer goes first and each old
+// allocation as soon as it is copied, so the build never holds more than its wider pools:
+// 2 x N x capacity x 8 bytes, what a build of that pool size from the start holds. Returns false,
+// changing nothing, where the GPU has not the memory they add: the build goes on at its width.
+bool widen_pools(PoolBuffers& buffers, DevicePools& pools, int& read, int capacity, cudaStream_t stream) {
+  const int64_t n = pools.n;
+  const int64_t added = 2 * n * (capacity - pools.capacity) * static_cast<int64_t>(sizeof(uint32_t) + sizeof(float));
+  if (added > free_device_bytes(buffers.slots[0].device().index())) return false;
+  auto wider = [&](at::Tensor& old) {
+    at::Tensor wide = at::zeros({n, capacity}, old.options());
+    wide.narrow(1, 0, pools.capacity).copy_(old);
+    old = at::Tensor();
+    return wide;
+  };
+  try {
+    const int spare = read ^ 1;
+    buffers.slots[spare] = buffers.dists[spare] = at::Tensor();
+    at::Tensor slots = wider(buffers.slots[read]);
+    at::Tensor dists = wider(buffers.dists[read]);
+    buffers.slots[0] = slots;
+    buffers.dists[0] = dists;
+    buffers.slots[1] = at::zeros({n, capacity}, slots.options());
+    buffers.dists[1] = at::zeros({n, capacity}, dists.options());
+  } catch (const c10::OutOfMemoryError& e) {
+    // The driver had room but the allocator refused, after the old buffers went: nothing to go on with.
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "build: widening its pools to ", capacity, " entries a row needs ",
+                     human_bytes(2 * n * capacity * 8), " of GPU memory on ", buffers.slots[0].device(),
+                     ", which the allocator could not provide; build with widen=False. The allocator: ",
+                     e.what_without_backtrace());
+  }
+  if (read != 0) {
+    C10_CUDA_CHECK(cudaMemcpyAsync(pools.counts, pools.counts + n, n * sizeof(int), cudaMemcpyDeviceToDevice,
+                                   stream));
+  }
+  for (int b = 0; b < 2; ++b) {
+    pools.slots[b] = reinterpret_cast<uint32_t*>(buffers.slots[b].data_ptr<int>());
+    pools.dists[b] = buffers.dists[b].data_ptr<float>();
+  }
+  pools.capacity = capacity;
+  read = 0;
+  return true;
+}
+
 // A graph's unfound share (build_schedule.h, unfound_share) for this build's data and metric.
 using UnfoundOf = std::function<double(const at::Tensor& graph)>;
 
 // Runs the build; returns its rows, [N, min(degree, R)] int32 ids: a view into the spare buffer
-// of `slots` (the pools' [2, N, R] tensor, see finalise).
+// of `buffers.slots` (see finalise). A widening build (build_schedule.h, kWidenShare) replaces
+// `buffers` and widens `p`.
 template <typename T, int TEAM>
-at::Tensor run_build(const T* x, const DevicePools& pools, const BuildArgs& args, const BuildParams& p,
-                     const at::Tensor& changes, const at::Tensor& init, const at::Tensor& slots,
-                     const UnfoundOf& unfound_of, cudaStream_t stream) {
+at::Tensor run_build(const T* x, DevicePools pools, const BuildArgs& args, BuildParams& p, const at::Tensor& changes,
+                     const at::Tensor& init, PoolBuffers& buffers, const UnfoundOf& unfound_of,
+                     cudaStream_t stream) {
   const int64_t n = pools.n;
   const unsigned blocks = static_cast<unsigned>(ceil_div(n, kWarpsPerBlock));
-  const size_t shared = scratch_bytes(pools.capacity);
-  const size_t buffer_slots = static_cast<size_t>(n) * pools.capacity;
+  size_t shared = scratch_bytes(pools.capacity);
+  size_t buffer_slots = static_cast<size_t>(n) * pools.capacity;
   // The pair codes' teams: half the rows' lanes, which is team_for_row of the codes' bytes for
   // float16 and bfloat16 rows (a code row is half theirs), so a lane loads as many 16-byte chunks
   // as on the rows and a warp computes twice the pairs at once. One H200, pair-code builds,
@@ -822,10 +903,10 @@ at::Tensor run_build(const T* x, const DevicePools& pools, const BuildArgs& args
   };
   auto reverse = [&] {
     const int write = read ^ 1;
-    C10_CUDA_CHECK(cudaMemcpyAsync(pools.slots + write * buffer_slots, pools.slots + read * buffer_slots,
-                                   buffer_slots * sizeof(uint32_t), cudaMemcpyDeviceToDevice, stream));
-    C10_CUDA_CHECK(cudaMemcpyAsync(pools.dists + write * buffer_slots, pools.dists + read * buffer_slots,
-                                   buffer_slots * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    C10_CUDA_CHECK(cudaMemcpyAsync(pools.slot_buffer(write), pools.slot_buffer(read), buffer_slots * sizeof(uint32_t),
+                                   cudaMemcpyDeviceToDevice, stream));
+    C10_CUDA_CHECK(cudaMemcpyAsync(pools.dist_buffer(write), pools.dist_buffer(read), buffer_slots * sizeof(float),
+                                   cudaMemcpyDeviceToDevice, stream));
     C10_CUDA_CHECK(cudaMemcpyAsync(pools.counts + write * n, pools.counts + read * n, n * sizeof(int),
                                    cudaMemcpyDeviceToDevice, stream));
     reverse_kernel<<<blocks, kBlockThreads, shared, stream>>>(pools, read, p.reverse_ratio);
@@ -835,22 +916,28 @@ at::Tensor run_build(const T* x, const DevicePools& pools, const BuildArgs& args
   // The rows go into the spare buffer's slots, [N, R] int32 holding [N, min(degree, R)], so
   // the graph needs no memory of its own while the pools are alive. Between outer iterations
   // the next round overwrites them.
-  const int pooled = std::min(p.degree, p.pool_size);
   auto finalise = [&] {
+    const int pooled = std::min(p.degree, p.pool_size);
     finalise_kernel<<<blocks, kBlockThreads, shared, stream>>>(
-        pools, read, pooled, reinterpret_cast<int32_t*>(pools.slots + (read ^ 1) * buffer_slots));
+        pools, read, pooled, reinterpret_cast<int32_t*>(pools.slot_buffer(read ^ 1)));
     check_launch();
-    return slots[read ^ 1].view(-1).narrow(0, 0, n * pooled).view({n, pooled});
+    return buffers.slots[read ^ 1].view(-1).narrow(0, 0, n * pooled).view({n, pooled});
   };
   auto unfound = [&] { return unfound_of(finalise()); };
-  run_schedule(p, counted_rows(args.split, n), init.defined(), update, reverse, unfound);
+  auto widen = [&](int wide_pool_size) {
+    if (!widen_pools(buffers, pools, read, wide_pool_size, stream)) return false;
+    shared = scratch_bytes(pools.capacity);
+    buffer_slots = static_cast<size_t>(n) * pools.capacity;
+    return true;
+  };
+  run_schedule(p, counted_rows(args.split, n), init.defined(), update, reverse, unfound, widen);
   return finalise();
 }
 
 template <typename T>
-at::Tensor dispatch_team(const at::Tensor& x, const DevicePools& pools, const BuildArgs& args,
-                         const BuildParams& p, const at::Tensor& changes, const at::Tensor& init,
-                         const at::Tensor& slots, const UnfoundOf& unfound_of, cudaStream_t stream) {
+at::Tensor dispatch_team(const at::Tensor& x, const DevicePools& pools, const BuildArgs& args, BuildParams& p,
+                         const at::Tensor& changes, const at::Tensor& init, PoolBuffers& buffers,
+                         const UnfoundOf& unfound_of, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, double>) {
     TORCH_CHECK(false, "build: float64 storage reached the CUDA kernel (prepare_vectors narrows it)");
     return at::Tensor();
@@ -858,52 +945,27 @@ at::Tensor dispatch_team(const at::Tensor& x, const DevicePools& pools, const Bu
     const T* base = x.data_ptr<T>();
     switch (team_for_row(x.size(1) * x.element_size())) {
       case 4:
-        return run_build<T, 4>(base, pools, args, p, changes, init, slots, unfound_of, stream);
+        return run_build<T, 4>(base, pools, args, p, changes, init, buffers, unfound_of, stream);
       case 8:
-        return run_build<T, 8>(base, pools, args, p, changes, init, slots, unfound_of, stream);
+        return run_build<T, 8>(base, pools, args, p, changes, init, buffers, unfound_of, stream);
       case 16:
-        return run_build<T, 16>(base, pools, args, p, changes, init, slots, unfound_of, stream);
+        return run_build<T, 16>(base, pools, args, p, changes, init, buffers, unfound_of, stream);
       default:
-        return run_build<T, 32>(base, pools, args, p, changes, init, slots, unfound_of, stream);
+        return run_build<T, 32>(base, pools, args, p, changes, init, buffers, unfound_of, stream);
     }
   }
-}
-
-// "12.3 MiB" / "4.5 GiB" for error messages.
-std::string human_bytes(int64_t bytes) {
-  const bool gib = bytes >= (int64_t{1} << 30);
-  char text[64];
-  std::snprintf(text, sizeof(text), "%.1f %s", static_cast<double>(bytes) / (gib ? 1 << 30 : 1 << 20),
-                gib ? "GiB" : "MiB");
-  return text;
-}
-
-// Free memory on the current device: the driver's free plus what the caching allocator holds
-// reserved but unused (it hands that out before asking the driver).
-int64_t free_device_bytes(c10::DeviceIndex device) {
-  size_t free_bytes = 0, total_bytes = 0;
-  C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  int64_t cached = 0;
-  try {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
-    const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-    cached = stats.reserved_bytes[aggregate].current - stats.allocated_bytes[aggregate].current;
-  } catch (const c10::Error&) {
-    cached = 0;  // an allocator backend without stats: the driver's number alone
-  }
-  return static_cast<int64_t>(free_bytes) + std::max<int64_t>(cached, 0);
 }
 
 at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_degree, int64_t pool_size,
                       int64_t outer_iters, int64_t inner_iters, double reverse_ratio, c10::string_view update_order,
                       c10::string_view metric, int64_t seed, double delta, c10::string_view start,
                       const c10::optional<at::Tensor>& init, int64_t init_split, c10::string_view init_mode,
-                      const c10::optional<at::Tensor>& pair_code_rows, double pair_code_scale) {
+                      const c10::optional<at::Tensor>& pair_code_rows, double pair_code_scale, bool widen) {
   check_build_inputs(data);
   const c10::cuda::CUDAGuard guard(data.device());
-  const BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
-                                          std::string(update_order), std::string(metric), seed, delta,
-                                          std::string(start));
+  BuildParams p = make_build_params(degree, initial_degree, pool_size, outer_iters, inner_iters, reverse_ratio,
+                                    std::string(update_order), std::string(metric), seed, delta, std::string(start),
+                                    widen);
   const at::Tensor codes = check_pair_codes(pair_code_rows, pair_code_scale, data, p.metric);
   const int64_t n = data.size(0);
   const at::Tensor init_entries = start_entries(init, data, p);
@@ -927,12 +989,15 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
   // The cells' scratch (a chunk of scores) is freed before the pools are allocated.
   const Cells cells = p.start == Start::kHubs ? partition_cells(x, lift) : Cells{};
   const at::TensorOptions on_device = at::TensorOptions().device(data.device());
-  at::Tensor slots, dists, counts, locks, changes;
+  PoolBuffers buffers;
+  at::Tensor counts, locks, changes;
   try {
     // Zeroed, not empty: a reverse step copies whole buffers, the unused tail of every row too,
     // and a copy of never-written memory is what initcheck reports (a memset of a few ms at 10M).
-    slots = at::zeros({2, n, capacity}, on_device.dtype(at::kInt));
-    dists = at::zeros({2, n, capacity}, on_device.dtype(at::kFloat));
+    for (int b = 0; b < 2; ++b) {
+      buffers.slots[b] = at::zeros({n, capacity}, on_device.dtype(at::kInt));
+      buffers.dists[b] = at::zeros({n, capacity}, on_device.dtype(at::kFloat));
+    }
     counts = at::empty({2, n}, on_device.dtype(at::kInt));
     locks = at::zeros({n}, on_device.dtype(at::kInt));
     changes = at::zeros({n}, on_device.dtype(at::kInt));
@@ -945,8 +1010,9 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
                      "The allocator: ", e.what_without_backtrace());
   }
 
-  const DevicePools pools{reinterpret_cast<uint32_t*>(slots.data_ptr<int>()),
-                          dists.data_ptr<float>(),
+  const DevicePools pools{{reinterpret_cast<uint32_t*>(buffers.slots[0].data_ptr<int>()),
+                           reinterpret_cast<uint32_t*>(buffers.slots[1].data_ptr<int>())},
+                          {buffers.dists[0].data_ptr<float>(), buffers.dists[1].data_ptr<float>()},
                           counts.data_ptr<int>(),
                           locks.data_ptr<int>(),
                           n,
@@ -965,19 +1031,20 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
                        static_cast<float>(pair_code_scale)};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index());
   const UnfoundOf unfound_of = [&](const at::Tensor& graph) { return unfound_share(data, graph, metric); };
-  at::Tensor pooled_rows;  // a view into slots
+  at::Tensor pooled_rows;  // a view into buffers.slots
   GRNND_DISPATCH_STORAGE(x.scalar_type(), "grnnd_build_cuda", [&] {
-    pooled_rows = dispatch_team<scalar_t>(x, pools, args, p, changes, init_entries, slots, unfound_of, stream);
+    pooled_rows = dispatch_team<scalar_t>(x, pools, args, p, changes, init_entries, buffers, unfound_of, stream);
   });
   // The distances go first, so the graph's copy takes their place rather than new memory.
-  dists = counts = locks = changes = at::Tensor();
+  buffers.dists[0] = buffers.dists[1] = counts = locks = changes = at::Tensor();
   // A degree above the pool gets its further places from the fill; their memory takes the place
-  // of the freed distances, below the peak of the rounds.
-  at::Tensor graph = at::full({n, p.degree}, -1, slots.options());
+  // of the freed distances, below the peak of the rounds. p.degree is the wide one where the
+  // build widened.
+  at::Tensor graph = at::full({n, p.degree}, -1, pooled_rows.options());
   graph.narrow(1, 0, pooled_rows.size(1)).copy_(pooled_rows);
   pooled_rows = at::Tensor();
-  slots = at::Tensor();
-  graph = fill_rows_cuda(graph, x, lift, p.metric);
+  buffers.slots[0] = buffers.slots[1] = at::Tensor();
+  graph = fill_rows_cuda(std::move(graph), x, lift, p.metric);
   connect_unreachable(graph, data, metric, x, lift);
   return graph;
 }

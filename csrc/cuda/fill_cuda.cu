@@ -29,8 +29,8 @@ struct FillArgs {
 };
 
 // Most candidates of a row: c own entries and c * per two-hop ones, per = min(degree,
-// max(1, kFillCandidates / c)) with c < degree.
-int max_fill_candidates(int degree) { return degree + std::max(degree, kFillCandidates); }
+// max(1, fill_candidates(degree) / c)) with c < degree.
+int max_fill_candidates(int degree) { return degree + std::max(degree, fill_candidates(degree)); }
 
 size_t fill_scratch_bytes(const FillArgs& a) {
   return static_cast<size_t>(a.sort_size) * (sizeof(float) + sizeof(uint32_t)) +
@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(const T* __restrict__ x
   if (c == 0 || c >= a.degree) return;  // `out` already holds the row
 
   // 1. Own entries and two-hop candidates as keys; repeats side by side after the sort by key.
-  const int per = min(a.degree, max(1, kFillCandidates / c));
+  const int per = min(a.degree, max(1, fill_candidates(a.degree) / c));
   const int total = c + c * per;
   for (int j = lane; j < a.sort_size; j += kWarpSize) {
     uint32_t k = kEmptyId;
@@ -138,13 +138,17 @@ void launch(const at::Tensor& x, const FillArgs& a, cudaStream_t stream) {
 }  // namespace
 }  // namespace cuda
 
-at::Tensor fill_rows_cuda(const at::Tensor& graph, const at::Tensor& x, const at::Tensor& lift, Metric metric) {
+at::Tensor fill_rows_cuda(at::Tensor graph, const at::Tensor& x, const at::Tensor& lift, Metric metric) {
   const int64_t n = graph.size(0);
   TORCH_CHECK_VALUE(n <= kMaxFillRows, "build: at most ", kMaxFillRows, " rows on the GPU, got ", n);
+  // Two graphs at a time: the one a pass reads and the one it writes (a build hands its graph
+  // over, so that its rows of 96 after a widening do not hold three: 1 152 bytes a row, above
+  // the wider pools' 1 024).
   at::Tensor filled = graph.contiguous();
+  graph = at::Tensor();
   if (n == 0) return filled;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(graph.device().index());
-  const int degree = static_cast<int>(graph.size(1));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(filled.device().index());
+  const int degree = static_cast<int>(filled.size(1));
   for (int pass = 0; pass < kFillPasses; ++pass) {
     at::Tensor next = filled.clone();
     const cuda::FillArgs a{filled.data_ptr<int32_t>(),
@@ -175,7 +179,7 @@ at::Tensor fill_rows_cuda(const at::Tensor& graph, const at::Tensor& x, const at
         }
       }
     });
-    filled = next;
+    filled = std::move(next);
   }
   return filled;
 }

@@ -19,7 +19,7 @@ std::tuple<at::Tensor, at::Tensor> knn_graph(const at::Tensor& data, int64_t k, 
   static const auto build_op = c10::Dispatcher::singleton().findSchemaOrThrow("grnnd::build", "").typed<
       at::Tensor(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, double, c10::string_view,
                  c10::string_view, int64_t, double, c10::string_view, const c10::optional<at::Tensor>&,
-                 int64_t, c10::string_view, const c10::optional<at::Tensor>&, double)>();
+                 int64_t, c10::string_view, const c10::optional<at::Tensor>&, double, bool)>();
 
   at::Tensor dists, ids;
   if (exact) {
@@ -30,12 +30,15 @@ std::tuple<at::Tensor, at::Tensor> knn_graph(const at::Tensor& data, int64_t k, 
     auto int_default = [&](const char* name) { return args[*build_op.schema().argumentIndexWithName(name)].default_value()->toInt(); };
     auto float_default = [&](const char* name) { return args[*build_op.schema().argumentIndexWithName(name)].default_value()->toDouble(); };
     auto str_default = [&](const char* name) { return args[*build_op.schema().argumentIndexWithName(name)].default_value()->toStringRef(); };
+    auto bool_default = [&](const char* name) {
+      return args[*build_op.schema().argumentIndexWithName(name)].default_value()->toBool();
+    };
     const at::Tensor graph =
         build_op.call(data, int_default("degree"), int_default("initial_degree"), int_default("pool_size"),
                       int_default("outer_iters"), int_default("inner_iters"), float_default("reverse_ratio"),
                       str_default("update_order"), metric, seed, float_default("delta"), str_default("start"),
                       /*init=*/c10::nullopt, /*init_split=*/0, str_default("init_mode"),
-                      /*pair_code_rows=*/c10::nullopt, /*pair_code_scale=*/0.0);
+                      /*pair_code_rows=*/c10::nullopt, /*pair_code_scale=*/0.0, bool_default("widen"));
     std::tie(dists, ids) = search_op().call(data, graph, data, k + 1, list_size > 0 ? std::max(list_size, k + 1) : 0, 1,
                                           0, metric, seed, c10::nullopt, /*searches=*/0, /*hub_entries=*/-1,
                                           /*codes=*/c10::nullopt, /*code_grid=*/c10::nullopt);
