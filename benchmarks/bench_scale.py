@@ -55,7 +55,8 @@ import torch_grnnd as grnnd
 from benchmarks.common import cuda_time, parse_settings
 from benchmarks.datasets import by_cluster_size, make_rare_queries, make_set, parse_sets, sizes_text
 from benchmarks.report import machine, machine_line, qps_at_recall
-from torch_grnnd.params import BuildParams
+from torch_grnnd.memory import build_extra_bytes
+from torch_grnnd.params import PAIR_CODES_MIN_DIM, BuildParams
 
 LISTS = (32, 64, 128)  # list sizes measured by default; 64 is the one the PNG and the issue compare
 
@@ -73,19 +74,21 @@ def measure(base, queries, truth, settings: dict, lists, labels, rare) -> dict:
 
     grnnd.build(base, progress=report, **settings)
     # Progress costs a synchronisation per round; time the build again without it, and take the
-    # peak GPU memory it needs beyond the data (issue bound: 2 * N * pool_size * 8 bytes + 10%, with
-    # the pools a build ends with: a widened build's are wider, BuildParams.widen).
+    # peak GPU memory it needs beyond the data, against what the library counts for it
+    # (memory.build_extra_bytes: the widest pools and rows the build may end with, BuildParams.widen,
+    # and pair codes where a default build of this width takes them).
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     graph, secs = cuda_time(lambda: grnnd.build(base, **settings))
     peak = torch.cuda.max_memory_allocated() - before
-    p = BuildParams(**{name: value for name, value in settings.items() if name in ("degree", "pool_size")})
-    pool_size = p.wide_pool_size if graph.shape[1] > p.degree else p.pool_size
+    p = BuildParams(**{name: value for name, value in settings.items() if name in BuildParams.__dataclass_fields__})
+    coded = p.pair_codes if p.pair_codes is not None else base.shape[1] >= PAIR_CODES_MIN_DIM
+    counted = build_extra_bytes(*base.shape, base.element_size(), p.replace(pair_codes=coded))
     hubs = grnnd.diagnostics.hubs(base)
     unreachable = float((~grnnd.diagnostics.reachable(graph, hubs)).double().mean()) if hubs.numel() else None
     row = {"build": settings, "build_s": secs, "rounds": len(rounds), "changes": rounds, "build_unfound": measured,
-           "peak_extra_bytes": peak, "pool_bound_bytes": 1.1 * 2 * base.shape[0] * pool_size * 8,
+           "peak_extra_bytes": peak, "counted_extra_bytes": counted,
            "degree": grnnd.diagnostics.degree_summary(graph),
            "degree_histogram": torch.bincount((graph >= 0).sum(1)).tolist(), "unreachable_from_hubs": unreachable,
            "unfound_share": grnnd.diagnostics.unfound_share(base, graph)}
@@ -192,7 +195,7 @@ def main():
             rows.append(row)
             print(f"{family} {n:>10,} x {d:<5} {describe(settings):<50} build {row['build_s']:7.3f} s, "
                   f"{row['rounds']:2d} rounds, peak extra {row['peak_extra_bytes'] / 2**20:,.0f} MiB "
-                  f"(bound {row['pool_bound_bytes'] / 2**20:,.0f}), "
+                  f"(counted {row['counted_extra_bytes'] / 2**20:,.0f}), "
                   f"degree min {row['degree']['min']} mean {row['degree']['mean']:.1f}, "
                   f"unreachable {row['unreachable_from_hubs']}, unfound {row['unfound_share']:.4f} "
                   f"(measured in the build: {' '.join(f'{u:.4f}' for u in row['build_unfound']) or '-'}), "
@@ -236,9 +239,10 @@ def write(rows, args):
              "float16 rows, L2, 1000 held-out queries, recall@10 against exact results (`grnnd.knn`); "
              "hub / random: the default entry points / random entry points only; queries/s on a batch of "
              "10 000 with the default entry points; peak: GPU memory the build needs beyond the data, against "
-             "2 N R 8 bytes + 10%; unfound: the share of 10 000 sampled rows that a search for the row itself "
-             "(list 16) misses (`grnnd.diagnostics.unfound_share`). Degree histograms in the JSON.", "",
-             "| data | N | D | build | s | rounds | peak / bound MiB | degree min / p1 / mean | unreachable | unfound | "
+             "what the library counts for it (`memory.build_extra_bytes`); unfound: the share of 10 000 sampled "
+             "rows that a search for the row itself (list 16) misses (`grnnd.diagnostics.unfound_share`). "
+             "Degree histograms in the JSON.", "",
+             "| data | N | D | build | s | rounds | peak / counted MiB | degree min / p1 / mean | unreachable | unfound | "
              f"recall list {' / '.join(map(str, lists))} (hub entries) | rare queries | queries/s | "
              "(random entries) | distances/query |",
              "|---|---:|---:|---|---:|---:|---|---|---:|---:|---|---|---|---|---|"]
@@ -262,8 +266,9 @@ def write(rows, args):
         deg = r["degree"]
         unreachable = "-" if r["unreachable_from_hubs"] is None else f"{r['unreachable_from_hubs']:.2e}"
         unfound = f"{r['unfound_share']:.4f}" if "unfound_share" in r else "-"  # runs before it was measured
+        mib = f"{r['peak_extra_bytes'] / 2**20:,.0f} / {r['counted_extra_bytes'] / 2**20:,.0f}"
         lines.append(f"| {r['family']} | {r['n']:,} | {r['d']} | {describe(r['build'])} | {r['build_s']:.2f} | "
-                     f"{r['rounds']} | {r['peak_extra_bytes'] / 2**20:,.0f} / {r['pool_bound_bytes'] / 2**20:,.0f} | "
+                     f"{r['rounds']} | {mib} | "
                      f"{deg['min']} / {deg['p1']:.0f} / {deg['mean']:.1f} | {unreachable} | {unfound} | "
                      + " / ".join(f"{r['recall'][s]:.3f}" for s in lists) + " | "
                      + " / ".join(f"{r['recall_rare'][s]:.3f}" for s in lists) + " | "

@@ -324,6 +324,6 @@ def test_a_cosine_build_stays_within_the_memory_model():
     # beside the rows; the model counts the pools and rows of a widened build, which one Gaussian's
     # rows get (BuildParams.widen)
     p = grnnd.BuildParams()
-    counted = n * (memory.bytes_per_row(dim, 2, p, "cosine") - dim * 2)
+    counted = memory.build_extra_bytes(n, dim, 2, p, "cosine")
     assert graph.shape == (n, p.wide_degree) and int(graph.min()) >= 0
     assert peak <= counted, f"peak extra {peak / 2**20:.0f} MiB against the model's {counted / 2**20:.0f} MiB"

@@ -173,6 +173,13 @@ def test_a_row_counts_the_copy_the_kernels_make_of_it():
     narrow = memory.bytes_per_row(dim, 2, params.replace(widen=False)) - memory.row_bytes(dim, 2)
     assert narrow == 2 * params.pool_size * 8 + 28 + 2 * params.degree * 4
     assert memory.shard_bytes_per_row(dim, 2, params, "cosine") == 600 + narrow
+    # A build's extra beside its rows: every row's share less the row itself (a float64 row's float32
+    # copy stays counted), and the coding's steps where it builds on pair codes.
+    assert memory.build_extra_bytes(1000, dim, 2, params) == 1000 * rest
+    assert memory.build_extra_bytes(1000, dim, 8, params) == 1000 * (rest + 4 * dim)
+    coded = params.replace(pair_codes=True)
+    assert memory.build_extra_bytes(1000, dim, 2, coded) == 1000 * (rest + grnnd.codes.code_dims(dim)) \
+        + grnnd.codes.pair_codes_scratch_bytes(dim)
     # a budget of the same bytes holds fewer cosine rows, and their joins read fewer rows
     budget, n = 10**10, 10**8
     assert budget // memory.bytes_per_row(dim, 2, params, "cosine") < budget // memory.bytes_per_row(dim, 2, params)

@@ -175,8 +175,8 @@ def test_the_default_keeps_the_rows_where_the_gpu_cannot_hold_the_codes(monkeypa
 
     x = torch.randn(4_000, PAIR_CODES_MIN_DIM, device="cuda", dtype=torch.float16)
     params = grnnd.BuildParams()
-    per_row = memory.bytes_per_row(x.shape[1], 2, params.replace(pair_codes=True)) - x.shape[1] * 2
-    needed = x.shape[0] * per_row + pair_codes_scratch_bytes(x.shape[1])  # the build's extra, the coding's steps
+    coded = params.replace(pair_codes=True)
+    needed = memory.build_extra_bytes(*x.shape, 2, coded)  # the build's extra beside the rows, the coding's steps
     assert ops._builds_on_pair_codes(params, x, "l2")
     monkeypatch.setattr(ops, "free_bytes", lambda device: needed)
     assert ops._builds_on_pair_codes(params, x, "l2")
@@ -248,7 +248,7 @@ def test_a_build_on_codes_takes_the_memory_the_default_rule_counts():
         assert graph.shape[0] == n and int(graph.min()) >= 0
         del graph
     p = grnnd.BuildParams(pair_codes=True)
-    counted = n * (memory.bytes_per_row(dim, 2, p) - dim * 2) + pair_codes_scratch_bytes(dim)
+    counted = memory.build_extra_bytes(n, dim, 2, p)
     codes_bytes = n * grnnd.codes.code_dims(dim)
     mib = {key: f"{value / 2**20:.0f} MiB" for key, value in peaks.items()}
     assert peaks[True] <= counted, (mib, f"counted {counted / 2**20:.0f} MiB")

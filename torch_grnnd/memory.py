@@ -11,7 +11,7 @@ from typing import Union
 
 import torch
 
-from .codes import code_dims
+from .codes import code_dims, pair_codes_scratch_bytes
 from .params import BuildParams
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -50,6 +50,16 @@ def bytes_per_row(dim: int, element_size: int, p: BuildParams, metric: str = "l2
     codes = code_dims(dim) if p.pair_codes else 0
     pool_size, degree = (p.wide_pool_size, p.wide_degree) if p.may_widen(metric) else (p.pool_size, p.degree)
     return row_bytes(dim, element_size, metric) + 2 * pool_size * 8 + 16 + 12 + 2 * degree * 4 + codes
+
+
+def build_extra_bytes(n: int, dim: int, element_size: int, p: BuildParams, metric: str = "l2") -> int:
+    """Device bytes a build of ``n`` rows needs beside the rows themselves: :func:`bytes_per_row`
+    less the row, for every row, and with ``pair_codes`` the scratch of making the codes
+    (:func:`torch_grnnd.codes.pair_codes_scratch_bytes`). A default build asks it whether its pair
+    codes fit (:func:`torch_grnnd.ops.build`); ``benchmarks/bench_scale.py`` sets the builds' peak
+    memory against it."""
+    scratch = pair_codes_scratch_bytes(dim) if p.pair_codes else 0
+    return n * (bytes_per_row(dim, element_size, p, metric) - dim * element_size) + scratch
 
 
 def shard_bytes_per_row(dim: int, element_size: int, p: BuildParams, metric: str = "l2") -> int:

@@ -11,8 +11,8 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .codes import PAIR_CODE_METRICS, Codes, pair_codes, pair_codes_scratch_bytes
-from .memory import bytes_per_row, free_bytes
+from .codes import PAIR_CODE_METRICS, Codes, pair_codes
+from .memory import build_extra_bytes, free_bytes
 from .params import CODES_DELTA, PAIR_CODES_MIN_DIM, ROWS_DELTA, BuildParams, SearchParams
 from .progress import Progress, run_reporting
 
@@ -66,9 +66,7 @@ def _builds_on_pair_codes(p: BuildParams, data: Tensor, metric: Metric, from_scr
         return False
     if data.is_cuda:
         n, dim = data.shape
-        needed = n * (bytes_per_row(dim, data.element_size(), p.replace(pair_codes=True), metric)
-                      - dim * data.element_size()) \
-            + pair_codes_scratch_bytes(dim)
+        needed = build_extra_bytes(n, dim, data.element_size(), p.replace(pair_codes=True), metric)
         free = free_bytes(data.device)
         if needed > free:
             logger.info("build: %d x %d rows compared on the rows, not pair codes: the build with codes needs "
