@@ -82,14 +82,14 @@ def hubs_and_repair(g: torch.Generator):
         grnnd.search(data, graph, data[-40:], 10, list_size=64, metric=metric)
         grnnd.search(data, graph, data[:3], 10, list_size=64, searches=8, metric=metric)
         grnnd.search_distance_counts(data, graph, data[:20], 10, hub_entries=8, metric=metric)
-    # 70 hubs: every register list of the fused hub selection (2, 8, 32, 64) and the at::topk path.
+    # 70 hubs: every register list of the fused hub selection (one, two and four slots a lane).
     many = torch.randn(70_000, 16, generator=g, device="cuda")
     for dtype, metric in [(torch.float16, "l2"), (torch.float32, "ip"), (torch.float32, "cosine")]:
         for k in (1, 5, 20, 64, 70):
             grnnd.diagnostics.nearest_hubs(many.to(dtype), many[-33:].to(dtype), k, metric=metric)
     # 5 000 queries are more (query, hub) pairs than the direct kernels take: the gathered hub rows.
     for dtype, metric in [(torch.float16, "l2"), (torch.bfloat16, "ip"), (torch.float32, "cosine")]:
-        for k in (5, 64):
+        for k in (5, 64, 70):
             grnnd.diagnostics.nearest_hubs(many.to(dtype), many[:5_000].to(dtype), k, metric=metric)
     # 70 000 half-precision rows for one or two hubs: the fused product (a partial block and tile).
     for dtype, metric in [(torch.float16, "l2"), (torch.bfloat16, "cosine")]:

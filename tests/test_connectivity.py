@@ -60,7 +60,7 @@ def test_hubs_are_one_row_per_stratum():
 @pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_nearest_hubs_rank_hubs_as_the_metric_does(device, metric, dtype):
-    # 80 hubs; k up to 64 goes through the fused selection on CUDA, 70 through at::topk.
+    # 80 hubs: on CUDA every k goes through the fused selection (one, two and four slots a lane).
     g = torch.Generator().manual_seed(3)
     data = (torch.randn(80_000, 24, generator=g) * torch.rand(80_000, 1, generator=g)).to(device, dtype)
     queries = torch.randn(700, 24, generator=g).to(device, dtype)
@@ -98,9 +98,9 @@ def test_fused_nearest_hubs_select_as_the_score_matrix_does(metric, dtype):
 @pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_large_batches_rank_the_gathered_hub_rows(metric, dtype):
-    # 1 000 queries against 300 hubs are more pairs than the direct kernels take: up to 64 hubs a
+    # 1 000 queries against 300 hubs are more pairs than the direct kernels take: up to 128 hubs a
     # query, one kernel gathers the hub rows and their terms and the selection writes hub rows
-    # (csrc/build/hubs.h, gather_hubs_cuda); 70 go through the hub ids and at::topk.
+    # (csrc/build/hubs.h, gather_hubs_cuda); 130 go through the hub ids and at::topk.
     g = torch.Generator().manual_seed(9)
     data = (torch.randn(300_000, 40, generator=g) * torch.rand(300_000, 1, generator=g)).to(dtype)
     queries = torch.randn(1_000, 40, generator=g).to(dtype).cuda()
@@ -108,9 +108,9 @@ def test_large_batches_rank_the_gathered_hub_rows(metric, dtype):
     hubs = grnnd.diagnostics.hubs(on_device)
     score = hub_scores(on_device[hubs], queries, metric)
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-    by_topk = grnnd.diagnostics.nearest_hubs(on_device, queries, 70, metric=metric)
-    check_nearest_hubs(by_topk, hubs, score, 70, tolerance)
-    for k in (1, 5, 64):
+    by_topk = grnnd.diagnostics.nearest_hubs(on_device, queries, 130, metric=metric)
+    check_nearest_hubs(by_topk, hubs, score, 130, tolerance)
+    for k in (1, 5, 64, 70, 128):
         ids = grnnd.diagnostics.nearest_hubs(on_device, queries, k, metric=metric)
         check_nearest_hubs(ids, hubs, score, k, tolerance)
         # Both sum the same products in float32; the hubs' norms are summed in other orders.
@@ -130,8 +130,8 @@ def test_hub_selection_keeps_exact_order_among_equal_scores(device, dtype, rows,
     # Small integer rows make many hubs score exactly alike (inner product: -<q, hub>, exact in
     # float32). The selection must return the k smallest by (score, hub), ascending, ties to the
     # lower hub, on the CPU as on CUDA. There, both shapes are past the direct kernels and go
-    # through the warp-list selection: k of one slot a lane (1, 5, 20, 32) and of two (33, 64),
-    # 300 hubs (a last round of 44 columns) and 20 (fewer than a warp's lanes).
+    # through the warp-list selection: k of one slot a lane (1, 5, 20, 32), of two (33, 64) and of
+    # four (65, 128), 300 hubs (a last round of 44 columns) and 20 (fewer than a warp's lanes).
     g = torch.Generator().manual_seed(11)
     data = torch.randint(-2, 3, (rows, 8), generator=g).to(dtype).to(device)
     queries = torch.randint(-2, 3, (queries_count, 8), generator=g).to(dtype).to(device)
@@ -139,7 +139,7 @@ def test_hub_selection_keeps_exact_order_among_equal_scores(device, dtype, rows,
     score = -(queries.double() @ data[hubs].double().T)
     assert (score.sort(dim=1).values.diff(dim=1) == 0).double().mean() > 0.3  # many ties
     expected = hubs[score.sort(dim=1, stable=True).indices]
-    for k in (1, 5, 20, 32, 33, 64):
+    for k in (1, 5, 20, 32, 33, 64, 65, 128):
         if k > hubs.numel():
             continue
         ids = grnnd.diagnostics.nearest_hubs(data, queries, k, metric="ip")

@@ -68,9 +68,13 @@ at::Tensor nearest_hubs(const at::Tensor& rows, const at::Tensor& hubs, int64_t 
                         int64_t max_scores = kScoreBudget);
 
 // On CUDA, nearest_hubs selects from the scores in one kernel (csrc/cuda/hubs_cuda.cu) for k up
-// to this many hubs (the entry points of lists up to 128); beyond it at::topk selects. On the CPU
-// insert_nearest selects at any k, in the same order (ties to the lower hub).
-constexpr int64_t kMaxFusedHubK = 64;
+// to this many hubs (the entry points of lists up to 256); beyond it at::topk selects. On the CPU
+// insert_nearest selects at any k, in the same order (ties to the lower hub). At 128 rather than
+// 64, lists of 130 to 256 take the three launches of the gathered hub entries (below) instead of
+// the hub ids, a product, the scores' scaling and at::topk's radix select: one H200, a batch of
+// 10 000 queries at list 256 against 10 000 hubs (10M rows) spent about 2 ms of a 12.5 ms search
+// in that path (benchmarks/README.md, "The hub selection at lists up to 256").
+constexpr int64_t kMaxFusedHubK = 128;
 
 // out [m, k] int64 (contiguous, k <= kMaxFusedHubK, k <= h): per row r of dots [m, h] (float32,
 // contiguous), the columns c of the k smallest weight[c] * dots[r, c] + bias[c]

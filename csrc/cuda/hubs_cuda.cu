@@ -641,11 +641,13 @@ void smallest_scores_cuda(const at::Tensor& dots, const at::Tensor& weight, cons
   if (dots.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(dots.device());
   const int64_t k = out.size(1);
-  static_assert(kMaxFusedHubK <= 2 * cuda::kWarp, "two slots a lane hold the longest list");
+  static_assert(kMaxFusedHubK <= 4 * cuda::kWarp, "four slots a lane hold the longest list");
   if (k <= cuda::kWarp) {
     cuda::launch<1>(dots, weight, bias, row_lift, lift_coef, out, hub_rows_of);
-  } else {
+  } else if (k <= 2 * cuda::kWarp) {
     cuda::launch<2>(dots, weight, bias, row_lift, lift_coef, out, hub_rows_of);
+  } else {
+    cuda::launch<4>(dots, weight, bias, row_lift, lift_coef, out, hub_rows_of);
   }
 }
 
