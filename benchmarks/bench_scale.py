@@ -56,7 +56,8 @@ from benchmarks.common import cuda_time, parse_settings
 from benchmarks.datasets import by_cluster_size, make_rare_queries, make_set, parse_sets, sizes_text
 from benchmarks.report import machine, machine_line, qps_at_recall
 from torch_grnnd.memory import build_extra_bytes
-from torch_grnnd.params import PAIR_CODES_MIN_DIM, BuildParams
+from torch_grnnd.ops import _builds_on_pair_codes as builds_on_pair_codes
+from torch_grnnd.params import BuildParams
 
 LISTS = (32, 64, 128)  # list sizes measured by default; 64 is the one the PNG and the issue compare
 
@@ -76,15 +77,15 @@ def measure(base, queries, truth, settings: dict, lists, labels, rare) -> dict:
     # Progress costs a synchronisation per round; time the build again without it, and take the
     # peak GPU memory it needs beyond the data, against what the library counts for it
     # (memory.build_extra_bytes: the widest pools and rows the build may end with, BuildParams.widen,
-    # and pair codes where a default build of this width takes them).
+    # and pair codes where the build takes them).
+    p = BuildParams(**{name: value for name, value in settings.items() if name in BuildParams.__dataclass_fields__})
+    coded = builds_on_pair_codes(p, base, "l2")  # the build's own choice, asked before it runs
+    counted = build_extra_bytes(*base.shape, base.element_size(), p.replace(pair_codes=coded))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     graph, secs = cuda_time(lambda: grnnd.build(base, **settings))
     peak = torch.cuda.max_memory_allocated() - before
-    p = BuildParams(**{name: value for name, value in settings.items() if name in BuildParams.__dataclass_fields__})
-    coded = p.pair_codes if p.pair_codes is not None else base.shape[1] >= PAIR_CODES_MIN_DIM
-    counted = build_extra_bytes(*base.shape, base.element_size(), p.replace(pair_codes=coded))
     hubs = grnnd.diagnostics.hubs(base)
     unreachable = float((~grnnd.diagnostics.reachable(graph, hubs)).double().mean()) if hubs.numel() else None
     row = {"build": settings, "build_s": secs, "rounds": len(rounds), "changes": rounds, "build_unfound": measured,
