@@ -1,6 +1,7 @@
 """Widening hard builds (BuildParams.widen, csrc/build/build_schedule.h, kWidenShare): a build whose
 rows stay hard to find after its second outer iteration grows its pools in place and returns rows
-of twice the degree; one whose rows a search finds keeps its width. Both twins, against faiss."""
+the wider, the more rows it found hard to find (BuildParams.wide_degree_for); one whose rows a
+search finds keeps its width. Both twins, against faiss."""
 import pytest
 import torch
 
@@ -45,7 +46,9 @@ def test_a_hard_build_widens_and_finds_more_at_a_list(device, hard):
     x, q = rows.to(device), queries.to(device)
     wide, shares = shares_of(x)
     narrow, narrow_shares = shares_of(x, widen=False)
-    assert wide.shape == (rows.shape[0], 2 * grnnd.BuildParams.degree) and wide.dtype == torch.int32
+    # The width follows the share that decided the widening (a third of the degree a tenth).
+    p = grnnd.BuildParams()
+    assert wide.shape == (rows.shape[0], p.wide_degree_for(shares[0])) and wide.dtype == torch.int32
     assert narrow.shape == (rows.shape[0], grnnd.BuildParams.degree)
     # The decision is the first share's, and both builds measured the same first share (the
     # same rounds up to it, up to the timing of concurrent inserts).
@@ -69,7 +72,7 @@ def test_a_widened_build_ends_about_where_a_wide_one_from_the_start_does(device,
     x, q = rows.to(device), queries.to(device)
     p = grnnd.BuildParams()
     widened = grnnd.build(x)
-    from_start = grnnd.build(x, degree=2 * p.degree, pool_size=p.pool_size + p.pool_size // 3, widen=False)
+    from_start = grnnd.build(x, degree=widened.shape[1], pool_size=p.wide_pool_size, widen=False)
     assert widened.shape == from_start.shape
     for list_size in (16, 32):
         a, b = recall_at(x, widened, q, truth, list_size), recall_at(x, from_start, q, truth, list_size)
@@ -95,11 +98,19 @@ def test_builds_that_do_not_measure_or_are_told_not_to_keep_the_degree(hard, set
     assert grnnd.build(rows, inner_iters=2, **settings).shape == (rows.shape[0], grnnd.BuildParams.degree)
 
 
-def test_the_widths_follow_the_degree_and_the_pool(hard):
-    rows = hard[0]
-    graph = grnnd.build(rows, degree=16, pool_size=24, initial_degree=8)
-    assert graph.shape == (rows.shape[0], 32)
+def test_the_widths_follow_the_degree_the_pool_and_the_share():
+    p = grnnd.BuildParams()
+    # a third of the degree more for every tenth of the share, one to three thirds
+    assert [p.wide_degree_for(share) for share in (0.051, 0.14, 0.16, 0.24, 0.26, 0.9)] == [64, 64, 80, 80, 96, 96]
+    assert p.wide_degree == 96 and p.wide_pool_size == 64
+    assert [grnnd.BuildParams(degree=32).wide_degree_for(share) for share in (0.1, 0.2, 0.3)] == [42, 53, 64]
     assert grnnd.BuildParams(degree=200).wide_degree == 256  # the widest rows a build returns
+
+
+def test_the_widened_rows_follow_the_degree(hard):
+    rows = hard[0]
+    graph, shares = shares_of(rows, degree=16, pool_size=24, initial_degree=8)
+    assert shares[0] > 0.05 and graph.shape == (rows.shape[0], grnnd.BuildParams(degree=16).wide_degree_for(shares[0]))
     # The widest degree: only the pools grow.
     assert grnnd.build(rows, degree=256, pool_size=24, initial_degree=8, inner_iters=2).shape[1] == 256
 
@@ -110,14 +121,15 @@ def test_an_index_keeps_its_widened_width_through_adds_and_merges(device, hard):
     x = rows.to(device)
     degree = grnnd.BuildParams.degree
     index = grnnd.Index.build(x[:20_000])
-    assert index.graph.shape[1] == 2 * degree
+    width = index.graph.shape[1]
+    assert width > degree
     index.add(x[20_000:21_000])  # a small add: by search, into rows of the graph's width
     index.add(x[21_000:27_000])  # a large one: a build grown from the graph (init_mode="grow")
-    assert index.graph.shape == (27_000, 2 * degree)
+    assert index.graph.shape == (27_000, width)
     narrow = grnnd.Index.build(x[27_000:], widen=False)
     assert narrow.graph.shape[1] == degree
     merged = grnnd.merge(index, narrow)  # as wide as the wider graph
-    assert merged.graph.shape == (rows.shape[0], 2 * degree)
+    assert merged.graph.shape == (rows.shape[0], width)
     wide_recall = recall_at(x, merged.graph, queries.to(device), truth, 32)
     assert wide_recall >= recall_at(x, grnnd.build(x, widen=False), queries.to(device), truth, 32), wide_recall
 

@@ -19,6 +19,7 @@ Example:
     10
 """
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -148,14 +149,17 @@ class BuildParams(_Settings):
             outer iteration the build measures the share of a sample of its rows that a search of
             its graph so far misses (the unfound share, as :func:`torch_grnnd.diagnostics.unfound_share`
             measures a graph); where that passes 0.05 its pools grow by a third in place and it
-            returns rows of twice ``degree`` (degree 96 over pools of 64 at the defaults). On the
-            families of large low-contrast clusters (Zipf-sized, anisotropic: shares of 0.18 and
-            more from 1M rows) the wider graph finds at list 64 about what the narrow one finds at
-            list 128, at 0.95-1.3x its queries/s at equal recall; blobs and real sentence
-            embeddings (0.013 and 0.005) keep their width, where a wider graph only cost
-            (benchmarks/README.md, "Widening the hard builds"). So the graph's width depends on
-            the data: ``graph.shape[1]`` is ``degree`` or twice it (and inside torch.compile a
-            size known when the build has run). A widened build holds its wider pools at its peak
+            returns rows a third of ``degree`` wider for every tenth of that share, up to twice
+            ``degree`` (:meth:`wide_degree_for`: 64, 80 or 96 over pools of 64 at the defaults).
+            On the families of large low-contrast clusters (Zipf-sized, anisotropic: shares of
+            0.18 and more from 1M rows) the widest graph finds at list 64 about what the narrow one
+            finds at list 128, at 0.95-1.3x its queries/s at equal recall; where fewer rows are
+            unfound, narrower rows cost a query less for what they find (benchmarks/README.md,
+            "How wide a widened row is"); blobs and real sentence embeddings (0.013 and 0.005)
+            keep their width, where a wider graph only cost (benchmarks/README.md, "Widening the
+            hard builds"). So the graph's width depends on the data: ``graph.shape[1]`` is
+            ``degree`` or one of the widths above (and inside torch.compile a size known when
+            the build has run). A widened build holds its wider pools at its peak
             (``memory.bytes_per_row`` counts them where a build may widen). False keeps
             ``degree``; builds under inner product (where a row need not be its own best match, so
             the share says nothing of reach), from ``init`` (merges, the adds that grow an index's
@@ -186,8 +190,16 @@ class BuildParams(_Settings):
 
     @property
     def wide_degree(self) -> int:
-        """The width of a widened build's rows (BuildParams::wide_degree in csrc/core/params.h)."""
-        return min(2 * self.degree, MAX_DEGREE)
+        """The widest rows a widened build may return (BuildParams::wide_degree in
+        csrc/core/params.h): twice ``degree``."""
+        return self.wide_degree_for(1.0)
+
+    def wide_degree_for(self, unfound_share: float) -> int:
+        """The width of the rows a build returns that widened on this first unfound share
+        (BuildParams::wide_degree_for in csrc/core/params.h): a third of ``degree`` more for every
+        tenth of the share, one to three thirds (64, 80 or 96 at the defaults)."""
+        thirds = min(3, max(1, math.floor(unfound_share / UNFOUND_SHARE_A_THIRD + 0.5)))
+        return min(self.degree + self.degree * thirds // 3, MAX_DEGREE)
 
     @property
     def wide_pool_size(self) -> int:
@@ -197,6 +209,9 @@ class BuildParams(_Settings):
 
 # The widest rows a build returns (kMaxPoolSize in csrc/core/params.h).
 MAX_DEGREE = 256
+# A widened build's rows grow by a third of the degree for every this much of its first unfound
+# share (kUnfoundShareAThird in csrc/core/params.h).
+UNFOUND_SHARE_A_THIRD = 0.1
 
 
 # The longest candidate list a search keeps, and so the most neighbours it returns (kMaxListSize

@@ -157,8 +157,8 @@ inline int first_tested_outer_iteration(bool from_graph) { return from_graph ? 1
 // hard one from 1M rows, 0.077 on zipf 200k x 128 where the wider graph gained 0.04 at list 64
 // (benchmarks/README.md, "A wider graph on the hard families"). So a build whose first measured
 // share passes kWidenShare, near the middle of the two on a log scale, goes on with the wide
-// widths (BuildParams::wide_degree, wide_pool_size): its pools grow in place, keeping what they
-// hold. The share its wider pools measure next cannot end the build, only start the comparisons
+// widths (BuildParams::wide_degree_for that share, wide_pool_size): its pools grow in place,
+// keeping what they hold, and its rows widen the more, the more rows that share left unfound. The share its wider pools measure next cannot end the build, only start the comparisons
 // again: measured against the narrow pools' share it counted the widening as reach gained, and
 // measured alone it ended the build an outer iteration after the widening, short of a build wide
 // from the start (CPU, one Gaussian of 60 000 x 64 rows, recall@10 at list 32: 0.698 against
@@ -232,7 +232,7 @@ int64_t run_schedule(BuildParams& p, int64_t n, bool from_graph, Update&& update
       baseline = unfound_rows;
       widened = false;
       if (may_grow && unfound_rows > kWidenShare && widen(p.wide_pool_size())) {
-        const int degree = p.wide_degree(), pool_size = p.wide_pool_size();
+        const int degree = p.wide_degree_for(unfound_rows), pool_size = p.wide_pool_size();
         p.degree = degree;
         p.pool_size = pool_size;
         baseline = -1;

@@ -4,6 +4,7 @@
 // arguments into typed structs and rejects values that make no sense, naming the argument.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <algorithm>
 #include <string>
@@ -56,6 +57,10 @@ Start parse_start(const std::string& name);
 // arguments.
 constexpr int kMaxPoolSize = 256;
 
+// A widened build's rows grow by a third of the degree for every this much of its unfound share
+// (BuildParams::wide_degree_for).
+constexpr double kUnfoundShareAThird = 0.1;
+
 struct BuildParams {
   int degree;            // out-degree of the returned graph
   int initial_degree;    // S: random neighbours each vertex starts with
@@ -77,10 +82,19 @@ struct BuildParams {
 
   // The most pool entries a converged round may change.
   double converged_changes(int64_t n) const { return delta * static_cast<double>(n) * pool_size; }
-  // The widths a widened build goes on with: twice the degree and pools a third larger, the
-  // widths measured on the hard families (degree 96 and pools of 64 from the defaults' 48 and 48;
-  // benchmarks/README.md, "A wider graph on the hard families").
-  int wide_degree() const { return std::min(2 * degree, kMaxPoolSize); }
+  // The widths a widened build goes on with: pools a third larger (64 from the defaults' 48), and
+  // rows a third of the degree wider for every kUnfoundShareAThird of the unfound share that
+  // decided the widening, one to three thirds (64, 80 or 96 rows from the defaults' 48). Wider
+  // rows find more at a list but cost a query more per expansion, and pay only where rows are
+  // hardest to find: degree 96 ran at 0.95x the narrow graph's queries/s at equal recall on a
+  // set whose share was 0.067 (zipf_aniso 10M x 128), where degree 64 ran at 0.99-1.17x; at a
+  // share of 0.29 (zipf_aniso 4M x 1024) degree 64 ran at 0.87-0.93x degree 96, and at 0.36
+  // (10M x 1024) degree 128 at 0.93-0.94x (benchmarks/README.md, "How wide a widened row is").
+  int wide_degree_for(double unfound_share) const {
+    const long thirds = std::clamp(std::lround(unfound_share / kUnfoundShareAThird), 1L, 3L);
+    return std::min(degree + static_cast<int>(degree * thirds / 3), kMaxPoolSize);
+  }
+  int wide_degree() const { return wide_degree_for(1.0); }  // the widest rows a build may return
   int wide_pool_size() const { return std::min(pool_size + pool_size / 3, kMaxPoolSize); }
 };
 
