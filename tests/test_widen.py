@@ -1,7 +1,7 @@
 """Widening hard builds (BuildParams.widen, csrc/build/build_schedule.h, kWidenShare): a build whose
-rows stay hard to find after its second outer iteration grows its pools in place and returns rows
-the wider, the more rows it found hard to find (BuildParams.wide_degree_for); one whose rows a
-search finds keeps its width. Both twins, against faiss."""
+rows stay hard to find after its second outer iteration grows its pools in place and returns wider
+rows, twice the degree where more of them are hard to find (BuildParams.wide_degree_for); one whose
+rows a search finds keeps its width. Both twins, against faiss."""
 import pytest
 import torch
 
@@ -46,7 +46,7 @@ def test_a_hard_build_widens_and_finds_more_at_a_list(device, hard):
     x, q = rows.to(device), queries.to(device)
     wide, shares = shares_of(x)
     narrow, narrow_shares = shares_of(x, widen=False)
-    # The width follows the share that decided the widening (a third of the degree a tenth).
+    # The width follows the share that decided the widening (twice the degree from 0.15).
     p = grnnd.BuildParams()
     assert wide.shape == (rows.shape[0], p.wide_degree_for(shares[0])) and wide.dtype == torch.int32
     assert narrow.shape == (rows.shape[0], grnnd.BuildParams.degree)
@@ -100,10 +100,10 @@ def test_builds_that_do_not_measure_or_are_told_not_to_keep_the_degree(hard, set
 
 def test_the_widths_follow_the_degree_the_pool_and_the_share():
     p = grnnd.BuildParams()
-    # a third of the degree more for every tenth of the share, one to three thirds
-    assert [p.wide_degree_for(share) for share in (0.051, 0.14, 0.16, 0.24, 0.26, 0.9)] == [64, 64, 80, 80, 96, 96]
+    # a third wider below a share of 0.15, twice the degree from there
+    assert [p.wide_degree_for(share) for share in (0.051, 0.149, 0.15, 0.9)] == [64, 64, 96, 96]
     assert p.wide_degree == 96 and p.wide_pool_size == 64
-    assert [grnnd.BuildParams(degree=32).wide_degree_for(share) for share in (0.1, 0.2, 0.3)] == [42, 53, 64]
+    assert [grnnd.BuildParams(degree=32).wide_degree_for(share) for share in (0.1, 0.2)] == [42, 64]
     assert grnnd.BuildParams(degree=200).wide_degree == 256  # the widest rows a build returns
 
 

@@ -19,7 +19,6 @@ Example:
     10
 """
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -149,13 +148,13 @@ class BuildParams(_Settings):
             outer iteration the build measures the share of a sample of its rows that a search of
             its graph so far misses (the unfound share, as :func:`torch_grnnd.diagnostics.unfound_share`
             measures a graph); where that passes 0.05 its pools grow by a third in place and it
-            returns rows a third of ``degree`` wider for every tenth of that share, up to twice
-            ``degree`` (:meth:`wide_degree_for`: 64, 80 or 96 over pools of 64 at the defaults).
-            On the families of large low-contrast clusters (Zipf-sized, anisotropic: shares of
-            0.18 and more from 1M rows) the widest graph finds at list 64 about what the narrow one
-            finds at list 128, at 0.95-1.3x its queries/s at equal recall; where fewer rows are
-            unfound, narrower rows cost a query less for what they find (benchmarks/README.md,
-            "How wide a widened row is"); blobs and real sentence embeddings (0.013 and 0.005)
+            returns rows of twice ``degree`` where that share passes 0.15, a third wider below it
+            (:meth:`wide_degree_for`: 96 or 64 over pools of 64 at the defaults). On the families
+            of large low-contrast clusters (Zipf-sized, anisotropic: shares of 0.18 and more from
+            1M rows) the wide graph finds at list 64 about what the narrow one finds at list 128,
+            at 0.95-1.3x its queries/s at equal recall; where fewer rows are unfound, rows of 64
+            cost a query less for what they find (benchmarks/README.md, "How wide a widened row
+            is"); blobs and real sentence embeddings (0.013 and 0.005)
             keep their width, where a wider graph only cost (benchmarks/README.md, "Widening the
             hard builds"). So the graph's width depends on the data: ``graph.shape[1]`` is
             ``degree`` or one of the widths above (and inside torch.compile a size known when
@@ -196,10 +195,10 @@ class BuildParams(_Settings):
 
     def wide_degree_for(self, unfound_share: float) -> int:
         """The width of the rows a build returns that widened on this first unfound share
-        (BuildParams::wide_degree_for in csrc/core/params.h): a third of ``degree`` more for every
-        tenth of the share, one to three thirds (64, 80 or 96 at the defaults)."""
-        thirds = min(3, max(1, math.floor(unfound_share / UNFOUND_SHARE_A_THIRD + 0.5)))
-        return min(self.degree + self.degree * thirds // 3, MAX_DEGREE)
+        (BuildParams::wide_degree_for in csrc/core/params.h): a third wider than ``degree`` below
+        a share of 0.15, twice ``degree`` from there (64 or 96 at the defaults)."""
+        wider = self.degree // 3 if unfound_share < TWICE_THE_DEGREE_SHARE else self.degree
+        return min(self.degree + wider, MAX_DEGREE)
 
     @property
     def wide_pool_size(self) -> int:
@@ -209,9 +208,9 @@ class BuildParams(_Settings):
 
 # The widest rows a build returns (kMaxPoolSize in csrc/core/params.h).
 MAX_DEGREE = 256
-# A widened build's rows grow by a third of the degree for every this much of its first unfound
-# share (kUnfoundShareAThird in csrc/core/params.h).
-UNFOUND_SHARE_A_THIRD = 0.1
+# A widened build whose first unfound share passes this returns rows of twice its degree, one below
+# it rows a third wider (kTwiceTheDegreeShare in csrc/core/params.h).
+TWICE_THE_DEGREE_SHARE = 0.15
 
 
 # The longest candidate list a search keeps, and so the most neighbours it returns (kMaxListSize

@@ -4,7 +4,6 @@
 // arguments into typed structs and rejects values that make no sense, naming the argument.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <algorithm>
 #include <string>
@@ -57,9 +56,9 @@ Start parse_start(const std::string& name);
 // arguments.
 constexpr int kMaxPoolSize = 256;
 
-// A widened build's rows grow by a third of the degree for every this much of its unfound share
-// (BuildParams::wide_degree_for).
-constexpr double kUnfoundShareAThird = 0.1;
+// A widened build whose first unfound share passes this returns rows of twice its degree, one
+// below it rows a third wider (BuildParams::wide_degree_for).
+constexpr double kTwiceTheDegreeShare = 0.15;
 
 struct BuildParams {
   int degree;            // out-degree of the returned graph
@@ -82,17 +81,18 @@ struct BuildParams {
 
   // The most pool entries a converged round may change.
   double converged_changes(int64_t n) const { return delta * static_cast<double>(n) * pool_size; }
-  // The widths a widened build goes on with: pools a third larger (64 from the defaults' 48), and
-  // rows a third of the degree wider for every kUnfoundShareAThird of the unfound share that
-  // decided the widening, one to three thirds (64, 80 or 96 rows from the defaults' 48). Wider
-  // rows find more at a list but cost a query more per expansion, and pay only where rows are
-  // hardest to find: degree 96 ran at 0.95x the narrow graph's queries/s at equal recall on a
-  // set whose share was 0.067 (zipf_aniso 10M x 128), where degree 64 ran at 0.99-1.17x; at a
-  // share of 0.29 (zipf_aniso 4M x 1024) degree 64 ran at 0.87-0.93x degree 96, and at 0.36
-  // (10M x 1024) degree 128 at 0.93-0.94x (benchmarks/README.md, "How wide a widened row is").
+  // The widths a widened build goes on with: pools a third larger (64 from the defaults' 48),
+  // and rows a third wider too (64) where the unfound share that decided the widening stays
+  // below kTwiceTheDegreeShare, twice the degree (96) from there. Wider rows find more at a list
+  // but cost a query more per expansion, and pay only where rows are hardest to find. One H200,
+  // queries/s at equal recall (benchmarks/README.md, "How wide a widened row is"): at shares of
+  // 0.067 and 0.116 (zipf_aniso 10M x 128, 1M x 384) rows of 64 ran at 1.01-1.16x rows of 96,
+  // which ran at 0.95x the narrow graph on the first; at 0.18 and 0.22 rows of 80 ran at
+  // 0.95-1.03x rows of 96; at 0.29 (zipf_aniso 4M x 1024) rows of 64 ran at 0.87-0.93x and of 80
+  // at 0.91-0.95x rows of 96, and at 0.36 (10M x 1024) rows of 128 at 0.93-0.94x.
   int wide_degree_for(double unfound_share) const {
-    const long thirds = std::clamp(std::lround(unfound_share / kUnfoundShareAThird), 1L, 3L);
-    return std::min(degree + static_cast<int>(degree * thirds / 3), kMaxPoolSize);
+    const int wider = unfound_share < kTwiceTheDegreeShare ? degree / 3 : degree;
+    return std::min(degree + wider, kMaxPoolSize);
   }
   int wide_degree() const { return wide_degree_for(1.0); }  // the widest rows a build may return
   int wide_pool_size() const { return std::min(pool_size + pool_size / 3, kMaxPoolSize); }
