@@ -110,7 +110,8 @@ def test_the_widths_follow_the_degree_the_pool_and_the_share():
 def test_the_widened_rows_follow_the_degree(hard):
     rows = hard[0]
     graph, shares = shares_of(rows, degree=16, pool_size=24, initial_degree=8)
-    assert shares[0] > 0.05 and graph.shape == (rows.shape[0], grnnd.BuildParams(degree=16).wide_degree_for(shares[0]))
+    assert shares[0] > 0.05, shares
+    assert graph.shape == (rows.shape[0], grnnd.BuildParams(degree=16).wide_degree_for(shares[0]))
     # The widest degree: only the pools grow.
     assert grnnd.build(rows, degree=256, pool_size=24, initial_degree=8, inner_iters=2).shape[1] == 256
 

@@ -158,7 +158,8 @@ inline int first_tested_outer_iteration(bool from_graph) { return from_graph ? 1
 // (benchmarks/README.md, "A wider graph on the hard families"). So a build whose first measured
 // share passes kWidenShare, near the middle of the two on a log scale, goes on with the wide
 // widths (BuildParams::wide_degree_for that share, wide_pool_size): its pools grow in place,
-// keeping what they hold, and its rows widen the more, the more rows that share left unfound. The share its wider pools measure next cannot end the build, only start the comparisons
+// keeping what they hold, and its rows widen the more, the more rows that share left unfound.
+// The share its wider pools measure next cannot end the build, only start the comparisons
 // again: measured against the narrow pools' share it counted the widening as reach gained, and
 // measured alone it ended the build an outer iteration after the widening, short of a build wide
 // from the start (CPU, one Gaussian of 60 000 x 64 rows, recall@10 at list 32: 0.698 against
