@@ -42,7 +42,7 @@ def basics(g: torch.Generator):
     for pair_codes in (False, True):
         graph = grnnd.build(torch.randn(3000, 64, generator=g, device="cuda"), degree=16, pool_size=16,
                             initial_degree=8, outer_iters=4, inner_iters=2, pair_codes=pair_codes)
-        assert 16 < graph.shape[1] <= 32, graph.shape  # wider by the share it measured (wide_degree_for)
+        assert graph.shape[1] in (21, 32), graph.shape  # wider by the share it measured (wide_degree_for)
     for dtype, metric, k in [(torch.float32, "l2", 10), (torch.float16, "cosine", 300), (torch.bfloat16, "ip", 1)]:
         data = torch.randn(3000, 24, generator=g, device="cuda").to(dtype)
         grnnd.knn(data, data[:40], k, metric=metric)

@@ -65,15 +65,16 @@ def test_a_hard_build_widens_and_finds_more_at_a_list(device, hard):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_widened_build_ends_about_where_a_wide_one_from_the_start_does(device, hard):
-    # The widened graph against degree 96 over pools of 64 from the first round: CPU, 60 000 x 64
-    # rows, 500 queries, recall@10 at list 32 0.716 against 0.722 for about as many distances
-    # (2 780 against 2 776 a query), where the defaults' graph recalls 0.602 (1 658).
+    # The widened graph against one of its width over pools of 64 from the first round (measured
+    # with rows of 96: CPU, 60 000 x 64 rows, 500 queries, recall@10 at list 32 0.716 against
+    # 0.722 for about as many distances, 2 780 against 2 776 a query, where the defaults' graph
+    # recalls 0.602, 1 658).
     rows, queries, truth = hard
     x, q = rows.to(device), queries.to(device)
     p = grnnd.BuildParams()
     widened = grnnd.build(x)
+    assert widened.shape[1] in (p.wide_degree_for(0.0), p.wide_degree), widened.shape
     from_start = grnnd.build(x, degree=widened.shape[1], pool_size=p.wide_pool_size, widen=False)
-    assert widened.shape == from_start.shape
     for list_size in (16, 32):
         a, b = recall_at(x, widened, q, truth, list_size), recall_at(x, from_start, q, truth, list_size)
         assert a >= b - 0.03, (list_size, a, b)

@@ -148,7 +148,7 @@ class BuildParams(_Settings):
             outer iteration the build measures the share of a sample of its rows that a search of
             its graph so far misses (the unfound share, as :func:`torch_grnnd.diagnostics.unfound_share`
             measures a graph); where that passes 0.05 its pools grow by a third in place and it
-            returns rows of twice ``degree`` where that share passes 0.15, a third wider below it
+            returns rows of twice ``degree`` where that share reaches 0.15, a third wider below it
             (:meth:`wide_degree_for`: 96 or 64 over pools of 64 at the defaults). On the families
             of large low-contrast clusters (Zipf-sized, anisotropic: shares of 0.18 and more from
             1M rows) the wide graph finds at list 64 about what the narrow one finds at list 128,
@@ -190,7 +190,7 @@ class BuildParams(_Settings):
     @property
     def wide_degree(self) -> int:
         """The widest rows a widened build may return (BuildParams::wide_degree in
-        csrc/core/params.h): twice ``degree``."""
+        csrc/core/params.h): twice ``degree``, at most 256."""
         return self.wide_degree_for(1.0)
 
     def wide_degree_for(self, unfound_share: float) -> int:
@@ -208,7 +208,7 @@ class BuildParams(_Settings):
 
 # The widest rows a build returns (kMaxPoolSize in csrc/core/params.h).
 MAX_DEGREE = 256
-# A widened build whose first unfound share passes this returns rows of twice its degree, one below
+# A widened build whose first unfound share reaches this returns rows of twice its degree, one below
 # it rows a third wider (kTwiceTheDegreeShare in csrc/core/params.h).
 TWICE_THE_DEGREE_SHARE = 0.15
 

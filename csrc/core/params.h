@@ -56,7 +56,7 @@ Start parse_start(const std::string& name);
 // arguments.
 constexpr int kMaxPoolSize = 256;
 
-// A widened build whose first unfound share passes this returns rows of twice its degree, one
+// A widened build whose first unfound share reaches this returns rows of twice its degree, one
 // below it rows a third wider (BuildParams::wide_degree_for).
 constexpr double kTwiceTheDegreeShare = 0.15;
 
