@@ -22,7 +22,11 @@ drawn the same way:
          the rows converge last (200k x 256 float32 on a 2-core CPU, recall@10 at list 64 / 256:
          the rare queries 0.675 / 0.863 with the defaults and 0.724 / 0.898 running every round,
          delta=0, against 0.996 / 1.000 for zipf_aniso's rare queries at that size; the in
-         queries 0.898 / 0.963; a one-off run).
+         queries 0.898 / 0.963; a one-off run);
+  zipf_iso, zipf_aniso_apart  zipf_aniso with one thing changed, to tell its two differences from
+         zipf apart: zipf_iso makes each cluster's noise isotropic at the cluster's own energy
+         (the root mean square of its scales), zipf_aniso_apart spreads the centres by 3, as
+         zipf's. The same seed draws the same cluster sizes, centre directions and scales.
 Two query sets per set, 1000 queries each: "in", drawn like the rows (mostly from the big
 clusters), and "rare", from clusters chosen uniformly (most clusters are small, so these are the
 rare categories a search must not miss; for blobs and aniso the two are alike).

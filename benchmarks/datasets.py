@@ -95,12 +95,16 @@ def parse_sets(spec: str) -> list:
     return sets
 
 
-FAMILIES = ("blobs", "zipf", "aniso", "zipf_aniso", "zipf_tiny")
+FAMILIES = ("blobs", "zipf", "aniso", "zipf_aniso", "zipf_tiny", "zipf_iso", "zipf_aniso_apart")
 # Rows per cluster on average: about 1 000, or 20 for zipf_tiny (most of its clusters then hold a
 # few rows, and most of its rare queries come from such clusters).
 _ROWS_PER_CLUSTER = {"zipf_tiny": 20}
 # Spread of the cluster centres (the noise is about 1 a dimension): well apart, or overlapping.
-_CENTRE_SPREAD = {"zipf_aniso": 1.5, "zipf_tiny": 1.0}
+_CENTRE_SPREAD = {"zipf_aniso": 1.5, "zipf_tiny": 1.0, "zipf_iso": 1.5}
+# zipf_aniso and its two variants, which change one thing each: zipf_iso the noise (isotropic
+# within each cluster, of the cluster's own energy), zipf_aniso_apart the centres (spread by 3, as
+# zipf's). The same seed draws the same sizes, centre directions and scales for all three.
+_ANISO_DRAWS = ("zipf_aniso", "zipf_tiny", "zipf_iso", "zipf_aniso_apart")
 
 
 def _clusters(family: str, n: int, d: int, g: torch.Generator, device):
@@ -114,10 +118,12 @@ def _clusters(family: str, n: int, d: int, g: torch.Generator, device):
     if family == "aniso":  # the centres above are drawn all the same, so that the rows stay those of earlier runs
         return torch.zeros(1, d, device=device), torch.logspace(0, -1.5, d, device=device), None
     scales = 1.0
-    if family in ("zipf_aniso", "zipf_tiny"):
+    if family in _ANISO_DRAWS:
         scales = 10 ** (torch.rand(clusters, d, generator=g, device=device) * 1.25 - 1.0)
+    if family == "zipf_iso":
+        scales = scales.pow(2).mean(1, keepdim=True).sqrt()
     weights = None
-    if family in ("zipf", "zipf_aniso", "zipf_tiny"):
+    if family == "zipf" or family in _ANISO_DRAWS:
         weights = (1.0 / torch.arange(1, clusters + 1, device=device, dtype=torch.float64)).float()
     return centres, scales, weights
 

@@ -127,6 +127,34 @@ def test_the_tiny_cluster_family_is_mostly_rare_categories():
     assert spread(base, base_labels) < spread(other, other_labels)
 
 
+def test_the_variants_of_zipf_aniso_change_one_thing_each():
+    # zipf_iso: zipf_aniso's clusters with isotropic noise of each cluster's own energy;
+    # zipf_aniso_apart: its noise with the centres twice as far apart (spread 3, as zipf's).
+    from benchmarks.datasets import make_set
+    sets = {family: make_set(family, 20_000, 32, want_labels=True, device="cpu")
+            for family in ("zipf_aniso", "zipf_iso", "zipf_aniso_apart")}
+    labels = sets["zipf_aniso"][2]
+    assert all(torch.equal(rows[2], labels) for rows in sets.values())  # the same sizes and members
+    big = torch.bincount(labels).argsort(descending=True)[:3]
+
+    def centres(family):
+        rows, _, row_labels, _ = sets[family]
+        return torch.stack([rows[row_labels == c].float().mean(0) for c in big])
+
+    def spreads(family):  # each big cluster's standard deviation along every dimension
+        rows, _, row_labels, _ = sets[family]
+        return torch.stack([rows[row_labels == c].float().std(0) for c in big])
+
+    aniso, iso = spreads("zipf_aniso"), spreads("zipf_iso")
+    assert (aniso.max(1).values / aniso.min(1).values).min() > 5  # scales over 1.25 decades
+    assert (iso.max(1).values / iso.min(1).values).max() < 1.5  # the same along every dimension
+    energy = aniso.pow(2).sum(1), iso.pow(2).sum(1)
+    assert torch.allclose(energy[0], energy[1], rtol=0.1)  # and as much noise in all
+    assert torch.allclose(centres("zipf_iso"), centres("zipf_aniso"), atol=0.1)
+    assert torch.allclose(spreads("zipf_aniso_apart"), aniso, rtol=0.1)
+    assert torch.allclose(centres("zipf_aniso_apart"), 2 * centres("zipf_aniso"), atol=0.2)
+
+
 def test_the_distributed_scale_benchmark_runs_on_two_cpu_ranks(tmp_path):
     # benchmarks/bench_distributed_scale.py at toy size under torchrun (gloo): each rank makes its
     # own rows, both indexes are built and searched, rank 0 writes the run and --table the table.
