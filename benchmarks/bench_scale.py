@@ -25,8 +25,9 @@ drawn the same way:
          queries 0.898 / 0.963; a one-off run);
   zipf_iso, zipf_aniso_apart  zipf_aniso with one thing changed, to tell its two differences from
          zipf apart: zipf_iso makes each cluster's noise isotropic at the cluster's own energy
-         (the root mean square of its scales), zipf_aniso_apart spreads the centres by 3, as
-         zipf's. The same seed draws the same cluster sizes, centre directions and scales.
+         (the root mean square of its scales), zipf_aniso_apart puts the centres as far apart
+         against the noise as zipf's (spread by 3 x 0.74, the scales' root mean square). The
+         same seed draws the same cluster sizes, centre directions and scales.
 Two query sets per set, 1000 queries each: "in", drawn like the rows (mostly from the big
 clusters), and "rare", from clusters chosen uniformly (most clusters are small, so these are the
 rare categories a search must not miss; for blobs and aniso the two are alike).

@@ -10,6 +10,7 @@ A dataset is named on the command line by a spec (see ``load``):
     .data/text100k.pt                  (a {"base","queries","gt"} file, e.g. from embed_cpu.py)
     .data/text100k.pt:n=30000          (its first 30 000 base rows; ground truth recomputed)
 """
+import math
 import os
 
 import numpy as np
@@ -99,11 +100,17 @@ FAMILIES = ("blobs", "zipf", "aniso", "zipf_aniso", "zipf_tiny", "zipf_iso", "zi
 # Rows per cluster on average: about 1 000, or 20 for zipf_tiny (most of its clusters then hold a
 # few rows, and most of its rare queries come from such clusters).
 _ROWS_PER_CLUSTER = {"zipf_tiny": 20}
+# The root mean square of the anisotropic families' noise scales (log-uniform over 10^-1 ..
+# 10^0.25): sqrt((10^0.5 - 10^-2) / (2.5 ln 10)), about 0.74.
+_ANISO_NOISE_RMS = math.sqrt((10 ** 0.5 - 10 ** -2) / (2.5 * math.log(10)))
 # Spread of the cluster centres (the noise is about 1 a dimension): well apart, or overlapping.
-_CENTRE_SPREAD = {"zipf_aniso": 1.5, "zipf_tiny": 1.0, "zipf_iso": 1.5}
-# zipf_aniso and its two variants, which change one thing each: zipf_iso the noise (isotropic
-# within each cluster, of the cluster's own energy), zipf_aniso_apart the centres (spread by 3, as
-# zipf's). The same seed draws the same sizes, centre directions and scales for all three.
+# zipf_aniso_apart's centres lie as far apart against its noise as zipf's (3) against theirs.
+_CENTRE_SPREAD = {"zipf_aniso": 1.5, "zipf_tiny": 1.0, "zipf_iso": 1.5, "zipf_aniso_apart": 3 * _ANISO_NOISE_RMS}
+# zipf_aniso and its two variants, which change one thing each against zipf: zipf_iso the noise's
+# shape (isotropic within each cluster, of the cluster's own energy), zipf_aniso_apart the
+# centres' distance against the noise (zipf's). The four make a two-by-two: noise isotropic or
+# not, centres overlapping or apart. The same seed draws the same sizes, centre directions and
+# scales for the three.
 _ANISO_DRAWS = ("zipf_aniso", "zipf_tiny", "zipf_iso", "zipf_aniso_apart")
 
 
