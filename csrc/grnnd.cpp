@@ -144,6 +144,9 @@ TORCH_LIBRARY(grnnd, m) {
   // graph with its short rows filled to the full degree from two hops, as the build's step
   // before that repair does (csrc/build/fill.h).
   m.def("fill(Tensor data, Tensor graph, *, str metric=\"l2\") -> Tensor");
+  // The share of their dimensions that data's rows' neighbourhoods spread over, as a widening build
+  // measures it to size its pools (csrc/build/build_schedule.h, neighbourhood_dimensions).
+  m.def("neighbourhood_dimensions(Tensor data, *, str metric=\"l2\") -> float");
   // The hubs of data's rows (csrc/build/hubs.h): int64 ids, empty for small data.
   m.def("hub_ids(Tensor data) -> Tensor");
   // For each query, the ids of its k nearest hubs among data's rows, nearest first: int64

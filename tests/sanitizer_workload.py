@@ -38,10 +38,15 @@ def basics(g: torch.Generator):
     grnnd.build(torch.randn(1500, 16, device="cuda"), update_order="random", pool_size=96, degree=64, outer_iters=1,
                 inner_iters=2)
     # A build that widens: rows hard to find in narrow pools, which grow from 16 to 21 entries a row
-    # after the second outer iteration (build_schedule.h, kWidenShare), on the rows and on pair codes.
-    for pair_codes in (False, True):
-        graph = grnnd.build(torch.randn(3000, 64, generator=g, device="cuda"), degree=16, pool_size=16,
-                            initial_degree=8, outer_iters=4, inner_iters=2, pair_codes=pair_codes)
+    # after the second outer iteration (build_schedule.h, kWidenShare), on the rows and on pair codes;
+    # to 32 where the rows' scales differ by dimension (BuildParams.wide_pool_size_for), after their
+    # neighbourhood_dimensions.
+    scales = 10 ** (torch.rand(128, generator=g, device="cuda") * 1.25 - 1.25)
+    for pair_codes, rows in ((False, torch.randn(3000, 64, generator=g, device="cuda")),
+                             (True, torch.randn(3000, 64, generator=g, device="cuda")),
+                             (False, torch.randn(3000, 128, generator=g, device="cuda") * scales)):
+        graph = grnnd.build(rows, degree=16, pool_size=16, initial_degree=8, outer_iters=4, inner_iters=2,
+                            pair_codes=pair_codes)
         assert graph.shape[1] in (21, 32), graph.shape  # wider by the share it measured (wide_degree_for)
     for dtype, metric, k in [(torch.float32, "l2", 10), (torch.float16, "cosine", 300), (torch.bfloat16, "ip", 1)]:
         data = torch.randn(3000, 24, generator=g, device="cuda").to(dtype)

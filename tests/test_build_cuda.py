@@ -302,16 +302,35 @@ def test_peak_memory_stays_within_the_pools():
     # hubs). Measured as a process's first build on an H200 this one peaked at 189 MiB (1.29x the
     # pools), 32 MiB of it that workspace, and at 157 MiB (1.07x) after a build of 20 000 rows.
     # The pools are the ones the build ends with: these rows are hard to find (one Gaussian), so
-    # the default build widens, and widen=False keeps the pool size.
+    # the default build widens, by a third (isotropic rows, BuildParams.wide_pool_size_for), and
+    # widen=False keeps the pool size.
     grnnd.build(data[:20_000], pool_size=pool_size)
     p = grnnd.BuildParams(pool_size=pool_size)
-    for widen, pool in ((True, p.wide_pool_size), (False, p.pool_size)):
+    for widen, pool in ((True, p.wide_pool_size_for(1.0)), (False, p.pool_size)):
         graph, peak = cuda_peak_bytes(lambda: grnnd.build(data, pool_size=pool_size, widen=widen))
         pools = 2 * n * pool * 8
         assert graph.shape[0] == n and int(graph.min()) >= 0
         assert graph.shape[1] in ((p.wide_degree_for(0.0), p.wide_degree) if widen else (p.degree,)), graph.shape
         assert peak <= 1.10 * pools, f"peak extra {peak / 2**20:.1f} MiB against pools {pools / 2**20:.1f} MiB"
         del graph
+
+
+def test_a_widening_build_grows_pools_twice_as_large_where_neighbourhoods_spread_over_few_dimensions():
+    # One Gaussian whose scales differ by dimension (log-uniform over 1.25 decades, as the noise of
+    # benchmarks/datasets.py's anisotropic families): hard to find, so the build widens, and its
+    # neighbourhoods spread over about 0.4 of the dimensions, so its pools grow to twice the size.
+    # The pools are the build's peak memory: above what pools a third larger take, within twice.
+    n, dim, pool_size = 200_000, 256, 48
+    g = torch.Generator(device="cuda").manual_seed(7)
+    scales = 10 ** (torch.rand(dim, generator=g, device="cuda") * 1.25 - 1.25)
+    data = (torch.randn(n, dim, generator=g, device="cuda") * scales).half()
+    assert grnnd.diagnostics.neighbourhood_dimensions(data) < 0.65
+    grnnd.build(data[:20_000], pool_size=pool_size)  # cuBLAS's workspace (above)
+    p = grnnd.BuildParams(pool_size=pool_size)
+    graph, peak = cuda_peak_bytes(lambda: grnnd.build(data, pool_size=pool_size))
+    assert graph.shape[1] > p.degree and int(graph.min()) >= 0  # widened
+    third, twice = (2 * n * p.wide_pool_size_for(share) * 8 for share in (1.0, 0.0))
+    assert 1.10 * third < peak <= 1.10 * twice, f"peak extra {peak / 2**20:.1f} MiB, pools {third}, {twice} bytes"
 
 
 def test_a_cosine_build_stays_within_the_memory_model():

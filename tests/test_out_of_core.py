@@ -164,8 +164,9 @@ def test_a_row_counts_the_copy_the_kernels_make_of_it():
     assert [memory.row_bytes(dim, size, "ip") for size in (2, 4, 8)] == [200, 400, 1200]
     assert [memory.row_bytes(dim, size, "cosine") for size in (2, 4, 8)] == [400, 800, 1600]
     rest = memory.bytes_per_row(dim, 2, params) - memory.row_bytes(dim, 2)
-    # A build that may widen counts its wider pools and rows; under inner product it never widens.
-    assert rest == 2 * params.wide_pool_size * 8 + 28 + 2 * params.wide_degree * 4
+    # A build that may widen counts its widest rows and the pools it needs, a third larger (twice as
+    # large only where the GPU has them free); under inner product it never widens.
+    assert rest == 2 * params.wide_pool_size_for(1.0) * 8 + 28 + 2 * params.wide_degree * 4
     assert memory.bytes_per_row(dim, 2, params, "cosine") == 400 + rest
     assert memory.bytes_per_row(dim, 2, params, "ip") == 200 + 2 * params.pool_size * 8 + 28 + 2 * params.degree * 4
     # a shard's plan counts one more row (measured faster than shards of what the build fits), and

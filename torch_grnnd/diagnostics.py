@@ -95,6 +95,20 @@ def nearest_hubs(data: Tensor, queries: Tensor, k: int, metric: str = "l2") -> T
     return torch.ops.grnnd.nearest_hubs(data, queries, k, metric=metric)
 
 
+def neighbourhood_dimensions(data: Tensor, metric: str = "l2") -> float:
+    """The share of their dimensions that ``data``'s rows' neighbourhoods spread over, as a build
+    that widens measures it to size its pools (``BuildParams.wide_pool_size_for``): for 512 rows
+    spread over the data, each row's 20 exact nearest rows paired off into 10 differences, and one
+    over D times the mean squared cosine between two differences of one row (two independent steps
+    of covariance C meet at tr(C²) / tr(C)² on average: one over the number of directions C
+    spreads over evenly). At most 1, and 1 under 21 rows. About 1 in isotropic clusters whatever
+    D, lower where the rows' noise is larger along some directions than others: 0.36-0.43 on the
+    anisotropic families of ``benchmarks/datasets.py`` (``zipf_aniso``, ``zipf_tiny``, ``aniso``),
+    0.98-1.00 on ``zipf`` and ``blobs`` (1M rows and more, one H200). ``metric``: l2, or cosine (on
+    the unit rows). One exact search of 512 rows."""
+    return torch.ops.grnnd.neighbourhood_dimensions(data, metric=metric)
+
+
 def unfound_share(data: Tensor, graph: Tensor, metric: str = "l2", sample: int = 10_000, list_size: int = 16,
                   seed: int = 0) -> float:
     """The share of rows that a search for the row itself misses: ``sample`` rows drawn at random

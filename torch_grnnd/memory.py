@@ -46,9 +46,11 @@ def bytes_per_row(dim: int, element_size: int, p: BuildParams, metric: str = "l2
     ``pair_codes`` the row's codes (one byte a dimension, in 16s). A copy counted under every
     metric asked 2.3-2.4x what l2 builds on pair codes of 1M and 4M x 1 024 float16 rows took
     (benchmarks/README.md, "Building on one-byte codes"). The pools and the graph are a widened
-    build's where the build may widen (``BuildParams.widen``): the most it can hold."""
+    build's where the build may widen (``BuildParams.widen``): its widest rows, and the pools it
+    needs, a third larger (it grows them to twice the size only where the GPU has the memory free,
+    ``BuildParams.wide_pool_size_for``)."""
     codes = code_dims(dim) if p.pair_codes else 0
-    pool_size, degree = (p.wide_pool_size, p.wide_degree) if p.may_widen(metric) else (p.pool_size, p.degree)
+    pool_size, degree = (p.wide_pool_size_for(1.0), p.wide_degree) if p.may_widen(metric) else (p.pool_size, p.degree)
     return row_bytes(dim, element_size, metric) + 2 * pool_size * 8 + 16 + 12 + 2 * degree * 4 + codes
 
 

@@ -147,9 +147,12 @@ class BuildParams(_Settings):
         widen: a build from scratch whose rows stay hard to find goes on wider. After its second
             outer iteration the build measures the share of a sample of its rows that a search of
             its graph so far misses (the unfound share, as :func:`torch_grnnd.diagnostics.unfound_share`
-            measures a graph); where that passes 0.05 its pools grow by a third in place and it
-            returns rows of twice ``degree`` where that share reaches 0.15, a third wider below it
-            (:meth:`wide_degree_for`: 96 or 64 over pools of 64 at the defaults). On the families
+            measures a graph); where that passes 0.05 its pools grow in place, to twice
+            ``pool_size`` where its rows' neighbourhoods spread over few of their dimensions
+            (:meth:`wide_pool_size_for`, :func:`torch_grnnd.diagnostics.neighbourhood_dimensions`),
+            by a third elsewhere, and it returns rows of twice ``degree`` where that share reaches
+            0.15, a third wider below it (:meth:`wide_degree_for`: 96 or 64 over pools of 96 or 64
+            at the defaults). On the families
             of large low-contrast clusters (Zipf-sized, anisotropic: shares of 0.18 and more from
             1M rows) the wide graph finds at list 64 about what the narrow one finds at list 128,
             at 0.95-1.3x its queries/s at equal recall; where fewer rows are unfound, rows of 64
@@ -202,8 +205,17 @@ class BuildParams(_Settings):
 
     @property
     def wide_pool_size(self) -> int:
-        """A widened build's pool size (BuildParams::wide_pool_size in csrc/core/params.h)."""
-        return min(self.pool_size + self.pool_size // 3, MAX_DEGREE)
+        """The largest pools a widened build may go on with (BuildParams::wide_pool_size in
+        csrc/core/params.h): twice ``pool_size``, at most 256."""
+        return self.wide_pool_size_for(0.0)
+
+    def wide_pool_size_for(self, neighbourhood_dimensions: float) -> int:
+        """The pools a widened build goes on with where its rows' neighbourhoods spread over this
+        share of their dimensions (:func:`torch_grnnd.diagnostics.neighbourhood_dimensions`;
+        BuildParams::wide_pool_size_for in csrc/core/params.h): twice ``pool_size`` below 0.65
+        (anisotropic clusters), a third larger from there (96 or 64 at the defaults)."""
+        wider = self.pool_size if neighbourhood_dimensions < FEW_NEIGHBOURHOOD_DIMENSIONS else self.pool_size // 3
+        return min(self.pool_size + wider, MAX_DEGREE)
 
 
 # The widest rows a build returns (kMaxPoolSize in csrc/core/params.h).
@@ -211,6 +223,10 @@ MAX_DEGREE = 256
 # A widened build whose first unfound share reaches this returns rows of twice its degree, one below
 # it rows a third wider (kTwiceTheDegreeShare in csrc/core/params.h).
 TWICE_THE_DEGREE_SHARE = 0.15
+# A widened build whose rows' neighbourhoods spread over fewer than this share of their dimensions grows
+# pools of twice its pool size, one above it pools a third larger (kFewNeighbourhoodDimensions in
+# csrc/core/params.h).
+FEW_NEIGHBOURHOOD_DIMENSIONS = 0.65
 
 
 # The longest candidate list a search keeps, and so the most neighbours it returns (kMaxListSize

@@ -1,7 +1,11 @@
-// The build's measure of reach between outer iterations (build_schedule.h, unfound_share).
+// The build's measures of its rows (build_schedule.h): reach between outer iterations
+// (unfound_share) and the spread of their neighbourhoods that sizes a widening's pools
+// (neighbourhood_dimensions).
 #include "build_schedule.h"
 
 #include <algorithm>
+
+#include <torch/library.h>
 
 #include "../core/search_op.h"
 #include "hubs.h"
@@ -27,6 +31,33 @@ double unfound_share(const at::Tensor& data, const at::Tensor& graph, c10::strin
   const at::Tensor results = data.index_select(0, ids.clamp_min(0).flatten()).view({count, k, data.size(1)});
   const at::Tensor found = (results.eq(queries).all(2) & ids.ge(0)).any(1);
   return 1.0 - found.to(at::kDouble).mean().item<double>();
+}
+
+double neighbourhood_dimensions(const at::Tensor& data, c10::string_view metric) {
+  TORCH_CHECK_VALUE(metric == "l2" || metric == "cosine", "neighbourhood_dimensions: expected metric \"l2\" or ",
+                    "\"cosine\" (inner products are no distances), got \"", metric, "\"");
+  const int64_t n = data.size(0), dims = data.size(1);
+  if (n <= kDimensionK) return 1.0;
+  const at::Tensor rows = strata_rows(n, std::min(n, kDimensionSample), data.options());
+  // The first neighbour is the row itself (or a copy of it) and is left out.
+  const at::Tensor ids = std::get<1>(knn_op().call(data, data.index_select(0, rows), kDimensionK + 1, metric))
+                             .narrow(1, 1, kDimensionK);
+  at::Tensor neighbours = data.index_select(0, ids.flatten()).to(at::kFloat).view({-1, kDimensionK, dims});
+  if (metric == "cosine") neighbours = neighbours / neighbours.norm(2, {2}, true).clamp_min(1e-30);
+  // Neighbours 0 and 1, 2 and 3, ...: differences that share no row, as unit vectors (a zero
+  // difference, of two copies, stays zero and counts as orthogonal to the others).
+  const at::Tensor steps = neighbours.slice(1, 0, kDimensionK, 2) - neighbours.slice(1, 1, kDimensionK, 2);
+  const at::Tensor units = steps / steps.norm(2, {2}, true).clamp_min(1e-30);
+  const int64_t pairs = kDimensionK / 2;
+  const at::Tensor squares = at::bmm(units, units.transpose(1, 2)).pow(2);
+  // The mean over the pairs of two different differences: all entries less the diagonal's ones.
+  const double off_diagonal = (squares.sum() - squares.diagonal(0, 1, 2).sum()).item<double>() /
+                              static_cast<double>(squares.size(0) * pairs * (pairs - 1));
+  return std::min(1.0, 1.0 / (std::max(off_diagonal, 1e-30) * static_cast<double>(dims)));
+}
+
+TORCH_LIBRARY_IMPL(grnnd, CompositeExplicitAutograd, m) {
+  m.impl("neighbourhood_dimensions", &neighbourhood_dimensions);
 }
 
 }  // namespace grnnd

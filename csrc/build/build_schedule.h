@@ -167,6 +167,31 @@ inline int first_tested_outer_iteration(bool from_graph) { return from_graph ? 1
 // builds").
 constexpr double kWidenShare = 0.05;
 
+// How much a widening build's pools grow depends on the shape of the rows' neighbourhoods, not on
+// their share left unfound: pools of twice the size found more of zipf_aniso's rows, whose noise
+// has a scale of its own in each dimension, and only slowed the search on the same clusters with
+// isotropic noise, at the same first share (BuildParams::wide_pool_size_for). So a build that
+// widens measures how many directions its rows' neighbourhoods spread over: for each of
+// kDimensionSample rows of the strata (hubs.h, strata_rows), its kDimensionK exact nearest rows
+// (the knn op) paired off into kDimensionK / 2 differences; two independent differences of
+// covariance C meet at a squared cosine of tr(C^2) / tr(C)^2 on average, the inverse of C's
+// participation ratio, the number of directions it spreads over evenly. The share of D it
+// returns is one over D times the mean squared cosine of the differences of a row with each
+// other, over all sample rows: 1.00 on isotropic Gaussians of 32 to 1 024 dimensions and
+// 0.41 on Gaussians of log-uniform scales over 1.25 decades, rotated or not (CPU, 32 000 rows;
+// the local dimension of Levina and Bickel's estimate, over D, fell with D on both: 0.77 to
+// 0.18 and 0.53 to 0.11). On the benchmark families (one H200, 1M rows and more): 0.98-1.00 on
+// zipf at 128, 384 and 1 024 dimensions, zipf_iso and blobs, 0.36-0.43 on zipf_aniso,
+// zipf_aniso_apart, zipf_tiny and aniso. Measured once, when a build widens; on the GPU one exact
+// search of kDimensionSample rows (37 ms on 10M x 1024 rows, 0.4% of their build).
+constexpr int64_t kDimensionSample = 512;
+constexpr int64_t kDimensionK = 20;
+
+// The share of D that data's rows' neighbourhoods spread over, as above, under the build's metric
+// (l2, or cosine on the unit rows); 1 where there are too few rows to take kDimensionK neighbours
+// from. One host synchronisation.
+double neighbourhood_dimensions(const at::Tensor& data, c10::string_view metric);
+
 // Whether a build may widen: one from scratch that measures the unfound share (run_schedule) and
 // has wider widths to go to, under l2 or cosine. Under inner product a row need not be its own
 // best match, so the share does not tell rows hard to find (20 000 x 32 Gaussian rows, CPU: a
@@ -186,13 +211,15 @@ inline bool may_widen(const BuildParams& p, bool from_graph) {
 // unfound_share (after reverse(), from the outer iteration before the first tested one on, in
 // builds from scratch that converge and have an outer iteration left). Reports (rounds done,
 // T1 x T2, changes, the last unfound share or -1) after each round, and (done, done, changes,
-// unfound) at the end of a build that converged before the cap. widen(wide_pool_size) grows the
-// pools to that many entries a row and returns false, changing nothing, where there is no memory
-// for them; the schedule then sets p's degree and pool size to the wide ones (a build passes its
-// own p, and returns rows of p.degree). Returns the rounds run.
-template <typename Update, typename Reverse, typename Unfound, typename Widen>
+// unfound) at the end of a build that converged before the cap. dimensions() measures the rows'
+// neighbourhood_dimensions, once, where the build widens. widen(wide_pool_size) grows the pools
+// to that many entries a row and returns false, changing nothing, where there is no memory for
+// them (pools of twice the size then try a third larger); the schedule then sets p's degree and
+// pool size to the wide ones (a build passes its own p, and returns rows of p.degree). Returns the
+// rounds run.
+template <typename Update, typename Reverse, typename Unfound, typename Dimensions, typename Widen>
 int64_t run_schedule(BuildParams& p, int64_t n, bool from_graph, Update&& update, Reverse&& reverse,
-                     Unfound&& unfound, Widen&& widen) {
+                     Unfound&& unfound, Dimensions&& dimensions, Widen&& widen) {
   const bool converge = p.delta > 0;
   const bool report = progress_requested();
   const int64_t cap = static_cast<int64_t>(p.outer_iters) * p.inner_iters;
@@ -232,13 +259,18 @@ int64_t run_schedule(BuildParams& p, int64_t n, bool from_graph, Update&& update
       if (baseline < 0 ? widened : baseline - unfound_rows > kFoundShareOfDelta * p.delta) settled = false;
       baseline = unfound_rows;
       widened = false;
-      if (may_grow && unfound_rows > kWidenShare && widen(p.wide_pool_size())) {
-        const int degree = p.wide_degree_for(unfound_rows), pool_size = p.wide_pool_size();
-        p.degree = degree;
-        p.pool_size = pool_size;
-        baseline = -1;
-        widened = true;
-        settled = false;
+      if (may_grow && unfound_rows > kWidenShare) {
+        int pool_size = p.wide_pool_size_for(dimensions());
+        const int third_larger = p.wide_pool_size_for(1.0);
+        bool grew = widen(pool_size);
+        if (!grew && pool_size > third_larger) grew = widen(pool_size = third_larger);
+        if (grew) {
+          p.degree = p.wide_degree_for(unfound_rows);
+          p.pool_size = pool_size;
+          baseline = -1;
+          widened = true;
+          settled = false;
+        }
       }
       may_grow = false;  // only the first measure decides
     }

@@ -60,6 +60,11 @@ constexpr int kMaxPoolSize = 256;
 // below it rows a third wider (BuildParams::wide_degree_for).
 constexpr double kTwiceTheDegreeShare = 0.15;
 
+// A widened build whose rows' neighbourhoods spread over fewer than this share of their dimensions
+// (build_schedule.h, neighbourhood_dimensions) goes on with pools of twice its pool size, one
+// above it with pools a third larger (BuildParams::wide_pool_size_for).
+constexpr double kFewNeighbourhoodDimensions = 0.65;
+
 struct BuildParams {
   int degree;            // out-degree of the returned graph
   int initial_degree;    // S: random neighbours each vertex starts with
@@ -95,7 +100,19 @@ struct BuildParams {
     return std::min(degree + wider, kMaxPoolSize);
   }
   int wide_degree() const { return wide_degree_for(1.0); }  // the widest rows a build may return
-  int wide_pool_size() const { return std::min(pool_size + pool_size / 3, kMaxPoolSize); }
+  // The pools a widened build goes on with: twice the pool size (96 from the defaults' 48) where
+  // the rows' neighbourhoods spread over few of their dimensions, a third larger (64) elsewhere.
+  // Larger pools find more of the rows of anisotropic clusters, and slow the search on isotropic
+  // ones at the same recall. One H200, zipf_aniso's four variants at 10M x 384, pools of 96
+  // against 64, queries/s at equal recall (benchmarks/README.md, "Wider pools where neighbourhoods
+  // spread over few dimensions"): anisotropic noise, 1.00-1.15x on overlapping centres and
+  // 1.04-1.26x on centres far apart; isotropic noise of the same energy, 0.87-0.92x at lists
+  // 32-64 whether the centres overlap or not.
+  int wide_pool_size_for(double neighbourhood_dimensions) const {
+    const int wider = neighbourhood_dimensions < kFewNeighbourhoodDimensions ? pool_size : pool_size / 3;
+    return std::min(pool_size + wider, kMaxPoolSize);
+  }
+  int wide_pool_size() const { return wide_pool_size_for(0.0); }  // the largest pools a build may grow
 };
 
 BuildParams make_build_params(int64_t degree, int64_t initial_degree, int64_t pool_size, int64_t outer_iters,

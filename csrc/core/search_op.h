@@ -1,5 +1,6 @@
-// torch.ops.grnnd.search called from C++ (the build's reachability repair, knn_graph): its typed
-// handle, declared once so that a change of the schema (csrc/grnnd.cpp) is made here alone.
+// torch.ops.grnnd.search and knn called from C++ (the build's reachability repair and measures,
+// knn_graph): their typed handles, declared once so that a change of a schema (csrc/grnnd.cpp) is
+// made here alone.
 #pragma once
 
 #include <tuple>
@@ -16,6 +17,16 @@ using SearchSignature = std::tuple<at::Tensor, at::Tensor>(
 
 inline const c10::TypedOperatorHandle<SearchSignature>& search_op() {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("grnnd::search", "").typed<SearchSignature>();
+  return op;
+}
+
+using KnnSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& data, const at::Tensor& queries, int64_t k,
+                                                         c10::string_view metric);
+
+// torch.ops.grnnd.knn, the exact k nearest rows (knn_graph, the build's measure of the rows' local
+// dimension).
+inline const c10::TypedOperatorHandle<KnnSignature>& knn_op() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("grnnd::knn", "").typed<KnnSignature>();
   return op;
 }
 

@@ -376,6 +376,7 @@ at::Tensor build_cpu(const at::Tensor& data, int64_t degree, int64_t initial_deg
         read ^= 1;
       },
       [&] { return unfound_share(data, pools_graph(), metric); },
+      [&] { return neighbourhood_dimensions(data, metric); },
       [&](int wide_pool_size) {
         pools.widen(read, wide_pool_size);
         read = 0;

@@ -855,15 +855,19 @@ bool widen_pools(PoolBuffers& buffers, DevicePools& pools, int& read, int capaci
   return true;
 }
 
-// A graph's unfound share (build_schedule.h, unfound_share) for this build's data and metric.
-using UnfoundOf = std::function<double(const at::Tensor& graph)>;
+// The build's measures (build_schedule.h) of this build's data under its metric: a graph's unfound
+// share (unfound_share) and the rows' neighbourhood_dimensions.
+struct Measures {
+  std::function<double(const at::Tensor& graph)> unfound_of;
+  std::function<double()> neighbourhood_dimensions;
+};
 
 // Runs the build; returns its rows, [N, min(degree, R)] int32 ids: a view into the spare buffer
 // of `buffers.slots` (see finalise). A widening build (build_schedule.h, kWidenShare) replaces
 // `buffers` and widens `p`.
 template <typename T, int TEAM>
 at::Tensor run_build(const T* x, DevicePools pools, const BuildArgs& args, BuildParams& p, const at::Tensor& changes,
-                     const at::Tensor& init, PoolBuffers& buffers, const UnfoundOf& unfound_of,
+                     const at::Tensor& init, PoolBuffers& buffers, const Measures& measures,
                      cudaStream_t stream) {
   const int64_t n = pools.n;
   const unsigned blocks = static_cast<unsigned>(ceil_div(n, kWarpsPerBlock));
@@ -923,21 +927,22 @@ at::Tensor run_build(const T* x, DevicePools pools, const BuildArgs& args, Build
     check_launch();
     return buffers.slots[read ^ 1].view(-1).narrow(0, 0, n * pooled).view({n, pooled});
   };
-  auto unfound = [&] { return unfound_of(finalise()); };
+  auto unfound = [&] { return measures.unfound_of(finalise()); };
   auto widen = [&](int wide_pool_size) {
     if (!widen_pools(buffers, pools, read, wide_pool_size, stream)) return false;
     shared = scratch_bytes(pools.capacity);
     buffer_slots = static_cast<size_t>(n) * pools.capacity;
     return true;
   };
-  run_schedule(p, counted_rows(args.split, n), init.defined(), update, reverse, unfound, widen);
+  run_schedule(p, counted_rows(args.split, n), init.defined(), update, reverse, unfound,
+               measures.neighbourhood_dimensions, widen);
   return finalise();
 }
 
 template <typename T>
 at::Tensor dispatch_team(const at::Tensor& x, const DevicePools& pools, const BuildArgs& args, BuildParams& p,
                          const at::Tensor& changes, const at::Tensor& init, PoolBuffers& buffers,
-                         const UnfoundOf& unfound_of, cudaStream_t stream) {
+                         const Measures& measures, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, double>) {
     TORCH_CHECK(false, "build: float64 storage reached the CUDA kernel (prepare_vectors narrows it)");
     return at::Tensor();
@@ -945,13 +950,13 @@ at::Tensor dispatch_team(const at::Tensor& x, const DevicePools& pools, const Bu
     const T* base = x.data_ptr<T>();
     switch (team_for_row(x.size(1) * x.element_size())) {
       case 4:
-        return run_build<T, 4>(base, pools, args, p, changes, init, buffers, unfound_of, stream);
+        return run_build<T, 4>(base, pools, args, p, changes, init, buffers, measures, stream);
       case 8:
-        return run_build<T, 8>(base, pools, args, p, changes, init, buffers, unfound_of, stream);
+        return run_build<T, 8>(base, pools, args, p, changes, init, buffers, measures, stream);
       case 16:
-        return run_build<T, 16>(base, pools, args, p, changes, init, buffers, unfound_of, stream);
+        return run_build<T, 16>(base, pools, args, p, changes, init, buffers, measures, stream);
       default:
-        return run_build<T, 32>(base, pools, args, p, changes, init, buffers, unfound_of, stream);
+        return run_build<T, 32>(base, pools, args, p, changes, init, buffers, measures, stream);
     }
   }
 }
@@ -1030,10 +1035,11 @@ at::Tensor build_cuda(const at::Tensor& data, int64_t degree, int64_t initial_de
                        codes.defined() ? codes.size(1) : 0,
                        static_cast<float>(pair_code_scale)};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(data.device().index());
-  const UnfoundOf unfound_of = [&](const at::Tensor& graph) { return unfound_share(data, graph, metric); };
+  const Measures measures{[&](const at::Tensor& graph) { return unfound_share(data, graph, metric); },
+                          [&] { return neighbourhood_dimensions(data, metric); }};
   at::Tensor pooled_rows;  // a view into buffers.slots
   GRNND_DISPATCH_STORAGE(x.scalar_type(), "grnnd_build_cuda", [&] {
-    pooled_rows = dispatch_team<scalar_t>(x, pools, args, p, changes, init_entries, buffers, unfound_of, stream);
+    pooled_rows = dispatch_team<scalar_t>(x, pools, args, p, changes, init_entries, buffers, measures, stream);
   });
   // The distances go first, so the graph's copy takes their place rather than new memory.
   buffers.dists[0] = buffers.dists[1] = counts = locks = changes = at::Tensor();

@@ -14,8 +14,6 @@ std::tuple<at::Tensor, at::Tensor> knn_graph(const at::Tensor& data, int64_t k, 
   const int64_t n = data.size(0);
   TORCH_CHECK_VALUE(k >= 1 && k < n, "k: expected 1 <= k <= ", n - 1,
                     " (number of data rows minus the row itself), got ", k);
-  static const auto knn_op = c10::Dispatcher::singleton().findSchemaOrThrow("grnnd::knn", "").typed<
-      std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t, c10::string_view)>();
   static const auto build_op = c10::Dispatcher::singleton().findSchemaOrThrow("grnnd::build", "").typed<
       at::Tensor(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, double, c10::string_view,
                  c10::string_view, int64_t, double, c10::string_view, const c10::optional<at::Tensor>&,
@@ -23,7 +21,7 @@ std::tuple<at::Tensor, at::Tensor> knn_graph(const at::Tensor& data, int64_t k, 
 
   at::Tensor dists, ids;
   if (exact) {
-    std::tie(dists, ids) = knn_op.call(data, data, k + 1, metric);
+    std::tie(dists, ids) = knn_op().call(data, data, k + 1, metric);
   } else {
     // The build's own defaults, read from the schema, so they live in one place.
     const auto& args = build_op.schema().arguments();
