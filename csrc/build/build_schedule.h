@@ -182,10 +182,12 @@ constexpr double kWidenShare = 0.05;
 // the local dimension of Levina and Bickel's estimate, over D, fell with D on both: 0.77 to
 // 0.18 and 0.53 to 0.11). On the benchmark families (one H200, 1M rows and more): 0.98-1.00 on
 // zipf at 128, 384 and 1 024 dimensions, zipf_iso and blobs, 0.36-0.43 on zipf_aniso,
-// zipf_aniso_apart, zipf_tiny and aniso. Measured once, when a build widens; on the GPU one exact
-// search of kDimensionSample rows (37 ms on 10M x 1024 rows, 0.4% of their build).
+// zipf_aniso_apart, zipf_tiny and aniso. Measured once, when a build widens.
 constexpr int64_t kDimensionSample = 512;
 constexpr int64_t kDimensionK = 20;
+// The exact search runs over this many slices of the rows, each one search (its products are
+// kDimensionSample x the slice's rows, float32: 4% of the pools of 48 entries a row).
+constexpr int64_t kDimensionSlices = 64;
 
 // The share of D that data's rows' neighbourhoods spread over, as above, under the build's metric
 // (l2, or cosine on the unit rows); 1 where there are too few rows to take kDimensionK neighbours
