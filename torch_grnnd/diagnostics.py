@@ -105,7 +105,8 @@ def neighbourhood_dimensions(data: Tensor, metric: str = "l2") -> float:
     D, lower where the rows' noise is larger along some directions than others: 0.36-0.43 on the
     anisotropic families of ``benchmarks/datasets.py`` (``zipf_aniso``, ``zipf_tiny``, ``aniso``),
     0.98-1.00 on ``zipf`` and ``blobs`` (1M rows and more, one H200). ``metric``: l2, or cosine (on
-    the unit rows). One exact search of 512 rows."""
+    the unit rows). An exact search of 512 rows, over 64 slices of the rows (80 ms on 10M x 1024
+    rows, one H200)."""
     return torch.ops.grnnd.neighbourhood_dimensions(data, metric=metric)
 
 
