@@ -23,8 +23,7 @@ inline const c10::TypedOperatorHandle<SearchSignature>& search_op() {
 using KnnSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& data, const at::Tensor& queries, int64_t k,
                                                          c10::string_view metric);
 
-// torch.ops.grnnd.knn, the exact k nearest rows (knn_graph, the build's measure of the rows' local
-// dimension).
+// torch.ops.grnnd.knn, the exact k nearest rows (knn_graph, the build's neighbourhood_dimensions).
 inline const c10::TypedOperatorHandle<KnnSignature>& knn_op() {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("grnnd::knn", "").typed<KnnSignature>();
   return op;
