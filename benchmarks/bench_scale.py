@@ -41,8 +41,8 @@ recall@10 of both query sets against exact results (torch_grnnd.knn) and queries
 10 000, the in queries) at each list of
 --lists (32, 64 and 128 by default), with the default entry points and with random ones only
 (hub_entries=0), the distances a query computes at each list (and HNSW's, for comparisons at
-equal work), recall at list 64 by the size of the query's cluster with the share of results in
-that cluster (lost between clusters, or inside a large one), and the peak GPU memory of the
+equal work), recall at list 64 and at the longest list by the size of the query's cluster, with
+the share of results in that cluster (lost between clusters, or inside a large one), and the peak GPU memory of the
 build beyond the data. Every build of a set after its first is also compared with the first at
 equal recall: its queries/s where it reaches the recall the first reaches at each list (a wider
 graph reaches a recall at a shorter list, so equal lists are unequal work). Writes
@@ -72,6 +72,7 @@ def measure(base, queries, truth, settings: dict, lists, labels, rare) -> dict:
     """One build of base and its search; labels: (base_labels, query_labels), make_set's clusters;
     rare: (queries, truth, labels) of make_rare_queries."""
     rounds, measured = [], []
+    longest = max(lists)
 
     def report(done, total, changes, unfound):
         rounds.append(changes)
@@ -108,8 +109,8 @@ def measure(base, queries, truth, settings: dict, lists, labels, rare) -> dict:
         for size in lists:
             _, ids = grnnd.search(base, graph, queries, 10, list_size=size, hub_entries=entries)
             row[key][size] = grnnd.recall(ids, truth, 10)
-            if key == "recall" and size == 64:
-                row["by_cluster_size"] = by_cluster_size(ids, truth, *labels)
+            if key == "recall" and size in (64, longest):
+                row["by_cluster_size" + ("" if size == 64 else "_longest")] = by_cluster_size(ids, truth, *labels)
             _, secs = cuda_time(lambda: grnnd.search(base, graph, batch, 10, list_size=size, hub_entries=entries),
                                 repeat=5)
             row[key + "_qps"][size] = batch.shape[0] / secs
@@ -118,8 +119,9 @@ def measure(base, queries, truth, settings: dict, lists, labels, rare) -> dict:
     for size in lists:
         _, ids = grnnd.search(base, graph, rare_queries, 10, list_size=size)
         row["recall_rare"][size] = grnnd.recall(ids, rare_truth, 10)
-        if size == 64:
-            row["by_cluster_size_rare"] = by_cluster_size(ids, rare_truth, labels[0], rare_labels)
+        if size in (64, longest):
+            row["by_cluster_size_rare" + ("" if size == 64 else "_longest")] = by_cluster_size(
+                ids, rare_truth, labels[0], rare_labels)
     del graph
     torch.cuda.empty_cache()
     return row
@@ -252,10 +254,12 @@ def write(rows, args):
              f"recall list {' / '.join(map(str, lists))} (hub entries) | rare queries | queries/s | "
              "(random entries) | distances/query |",
              "|---|---:|---:|---|---:|---:|---|---|---:|---:|---|---|---|---|---|"]
-    clusters = ["", "Recall@10 at list 64 (default entries) by the size of the query's cluster, and the share "
-                "of returned rows that lie in the query's cluster:", "",
-                "| data | N | D | build | query set | cluster rows | queries | recall | in own cluster |",
-                "|---|---:|---:|---|---|---|---:|---:|---:|"]
+    longest = max(lists)
+    clusters = ["", f"Recall@10 at list 64 and {longest} (default entries) by the size of the query's cluster, and "
+                "the share of returned rows at list 64 that lie in the query's cluster:", "",
+                f"| data | N | D | build | query set | cluster rows | queries | recall list 64 / {longest} | "
+                "in own cluster |",
+                "|---|---:|---:|---|---|---|---:|---|---:|"]
     for r in rows:
         if "hnsw" in r:
             h = r["hnsw"]
@@ -265,9 +269,13 @@ def write(rows, args):
                          + " |")
             continue
         for kind in ("in", "rare"):
-            for group in r.get("by_cluster_size" + ("_rare" if kind == "rare" else ""), []):
+            key = "by_cluster_size" + ("_rare" if kind == "rare" else "")
+            # Runs before the longest list was broken down have list 64 alone; a longest list of 64 is list 64.
+            at_longest = r.get(key + "_longest", r[key] if longest == 64 else [None] * len(r.get(key, [])))
+            for group, far in zip(r.get(key, []), at_longest):
+                recall = f"{group['recall']:.3f} / " + ("-" if far is None else f"{far['recall']:.3f}")
                 clusters.append(f"| {r['family']} | {r['n']:,} | {r['d']} | {describe(r['build'])} | {kind} | "
-                                f"{sizes_text(group['sizes'])} | {group['queries']} | {group['recall']:.3f} | "
+                                f"{sizes_text(group['sizes'])} | {group['queries']} | {recall} | "
                                 f"{group['in_own_cluster']:.3f} |")
         deg = r["degree"]
         unreachable = "-" if r["unreachable_from_hubs"] is None else f"{r['unreachable_from_hubs']:.2e}"

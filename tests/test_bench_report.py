@@ -85,6 +85,36 @@ def test_builds_of_a_scale_set_are_compared_at_equal_recall():
     assert between[32] == pytest.approx((3e6 * 1.5e6) ** 0.5 / 1e6)  # halfway between 0.70 and 0.80, log-linear
 
 
+def test_scale_report_breaks_recall_down_at_list_64_and_the_longest(tmp_path, monkeypatch):
+    # benchmarks/bench_scale.py's markdown: recall by the query's cluster size at list 64 and at
+    # the longest list side by side, and "-" for runs written before the longest list was kept.
+    import argparse
+
+    from benchmarks import bench_scale
+    monkeypatch.setattr(bench_scale, "plot", lambda results, path: None)
+    lists = (32, 64, 256)
+
+    def groups(*recalls):
+        return [{"sizes": size, "queries": 5, "recall": recall, "in_own_cluster": 1.0}
+                for size, recall in zip(([0, 1000], [1000000, None]), recalls)]
+
+    row = {"family": "zipf_aniso", "n": 2000, "d": 8, "build": {}, "build_s": 0.1, "rounds": 3,
+           "peak_extra_bytes": 0, "counted_extra_bytes": 0, "degree": {"min": 1, "p1": 1, "mean": 2.0},
+           "unreachable_from_hubs": 0.0, "unfound_share": 0.1,
+           **{key: dict.fromkeys(lists, 0.5) for key in ("recall", "recall_rare", "recall_qps", "recall_random_entries",
+                                                          "distances_per_query")},
+           "by_cluster_size": groups(0.9, 0.3), "by_cluster_size_longest": groups(0.99, 0.6),
+           "by_cluster_size_rare": groups(0.8, 0.2), "by_cluster_size_rare_longest": groups(0.95, 0.5)}
+    older = {key: value for key, value in row.items() if not key.endswith("_longest")}
+    older["n"] = 1000
+    bench_scale.write([row, older], argparse.Namespace(lists="32,64,256", out=str(tmp_path), name="t"))
+    text = (tmp_path / "scale_t.md").read_text()
+    assert "| recall list 64 / 256 |" in text
+    assert "| zipf_aniso | 2,000 | 8 | defaults | in | 1,000,000 or more | 5 | 0.300 / 0.600 | 1.000 |" in text
+    assert "| zipf_aniso | 2,000 | 8 | defaults | rare | 0 to 999 | 5 | 0.800 / 0.950 | 1.000 |" in text
+    assert "| zipf_aniso | 1,000 | 8 | defaults | in | 0 to 999 | 5 | 0.900 / - | 1.000 |" in text
+
+
 def test_scale_families_and_their_rare_queries():
     # benchmarks/bench_scale.py: zipf_aniso rows come from clusters of Zipf sizes, each with noise
     # scales of its own per dimension; the rare queries come from clusters chosen uniformly.
