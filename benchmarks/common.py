@@ -112,12 +112,14 @@ def parse_settings(text: str) -> dict:
     return {k: value(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
 
 
-def brute_force(base: torch.Tensor, queries: torch.Tensor, k: int, dtype: torch.dtype, chunk: int = 2048):
-    """Plain PyTorch exact search: ||x||^2 - 2 q.X^T per query chunk, then topk."""
+def brute_force(base: torch.Tensor, queries: torch.Tensor, k: int, dtype: torch.dtype, chunk: int = 2048,
+                max_scores: int = 2**31):
+    """Plain PyTorch exact search: ||x||^2 - 2 q.X^T per query chunk, then topk. Chunks of at most
+    max_scores scores (8 GiB in float32): 2048 queries up to 1M rows, fewer beyond."""
     x = base.to(dtype)
     x_norm = x.float().pow(2).sum(1)
     ids = []
-    for q in queries.to(dtype).split(chunk):
+    for q in queries.to(dtype).split(max(1, min(chunk, max_scores // base.shape[0]))):
         scores = x_norm - 2 * (q @ x.T).float()
         ids.append(scores.topk(k, dim=1, largest=False).indices)
     return torch.cat(ids)
