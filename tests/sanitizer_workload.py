@@ -200,9 +200,11 @@ def editing(g: torch.Generator):
         init = torch.randint(-1, 2000, (2000, 24), generator=g, device="cuda", dtype=torch.int32)
         grnnd.build(rows, metric=metric, degree=16, pool_size=32, initial_degree=8, outer_iters=1, inner_iters=1,
                     init=init, init_split=1000)
-    # The fill on its own: rows of every length, the widest degree.
-    for degree in (6, 256):
-        rows = torch.randn(1000, 24, generator=g, device="cuda").half()
+    # The fill on its own: rows of every length, the widest degree; rows of 2 KiB (four chunks in
+    # flight a lane, kFillChunksInFlight) and of 4 400 bytes (nine a lane, the last group short).
+    for degree, dim, dtype in [(6, 24, torch.float16), (256, 24, torch.float16), (48, 1024, torch.float16),
+                               (48, 1100, torch.float32)]:
+        rows = torch.randn(1000, dim, generator=g, device="cuda").to(dtype)
         graph = torch.randint(-1, 1000, (1000, degree), generator=g, device="cuda", dtype=torch.int32)
         grnnd.diagnostics.fill(rows, graph.sort(1, descending=True).values)
 

@@ -32,6 +32,15 @@ struct FillArgs {
 // max(1, fill_candidates(degree) / c)) with c < degree.
 int max_fill_candidates(int degree) { return degree + std::max(degree, fill_candidates(degree)); }
 
+// 16-byte chunks of a candidate's row each lane loads before it uses the first (team_visit_chunks):
+// with team_for_row's teams a row of up to 2 KiB arrives in one memory round trip instead of four,
+// and the sums are the same whatever the chunks in flight. The fill of a widened build's rows of
+// 96 was 1.6 s of the 10.3 s default build of zipf_aniso 10M x 1024 (torch.profiler, one H200);
+// ncu on a pass of 1M x 1024 saw its warps stalled 6.6 of every 12.1 cycles on loads, 3.9 of 10.0
+// with four in flight. The build then took 10.03-10.08 s against 10.25-10.33 s (alternating, the
+// same recall), blobs 1M x 384 the same time (benchmarks/results/build_fill_in_flight_h200.txt).
+constexpr int kFillChunksInFlight = 4;
+
 size_t fill_scratch_bytes(const FillArgs& a) {
   return static_cast<size_t>(a.sort_size) * (sizeof(float) + sizeof(uint32_t)) +
          static_cast<size_t>(a.degree) * sizeof(int32_t);
@@ -105,7 +114,8 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(const T* __restrict__ x
   for (int g0 = 0; g0 < count; g0 += kTeams) {
     const int g = g0 + team;
     const bool valid = g < count;
-    const float d = rows_distance<TEAM>(x, a.dim, a.metric, a.lift, v, valid ? key[g] >> 1 : v, valid, rank);
+    const float d = rows_distance<TEAM, kFillChunksInFlight>(x, a.dim, a.metric, a.lift, v, valid ? key[g] >> 1 : v,
+                                                             valid, rank);
     if (valid && rank == 0) dist[g] = d;
   }
   __syncwarp();
