@@ -42,9 +42,9 @@ recall@10 of both query sets against exact results (torch_grnnd.knn) and queries
 --lists (32, 64 and 128 by default), with the default entry points and with random ones only
 (hub_entries=0), the distances a query computes at each list (and HNSW's, for comparisons at
 equal work), recall at list 64 and at the longest list by the size of the query's cluster, with
-the share of results in that cluster (lost between clusters, or inside a large one), and the peak GPU memory of the
-build beyond the data. Every build of a set after its first is also compared with the first at
-equal recall: its queries/s where it reaches the recall the first reaches at each list (a wider
+the share of results in that cluster (lost between clusters, or inside a large one), and the
+peak GPU memory of the build beyond the data. Every build of a set after its first is also
+compared with the first at equal recall: its queries/s where it reaches the recall the first reaches at each list (a wider
 graph reaches a recall at a shorter list, so equal lists are unequal work). Writes
 scale_<name>.{json,md,png} (the PNG: recall at list 64 against N
 per family, both query sets, with faiss HNSW where --hnsw asked for it).
@@ -271,8 +271,9 @@ def write(rows, args):
         for kind in ("in", "rare"):
             key = "by_cluster_size" + ("_rare" if kind == "rare" else "")
             # Runs before the longest list was broken down have list 64 alone; a longest list of 64 is list 64.
-            at_longest = r.get(key + "_longest", r[key] if longest == 64 else [None] * len(r.get(key, [])))
-            for group, far in zip(r.get(key, []), at_longest):
+            at_64 = r.get(key, [])
+            at_longest = r.get(key + "_longest", at_64 if longest == 64 else [None] * len(at_64))
+            for group, far in zip(at_64, at_longest):
                 recall = f"{group['recall']:.3f} / " + ("-" if far is None else f"{far['recall']:.3f}")
                 clusters.append(f"| {r['family']} | {r['n']:,} | {r['d']} | {describe(r['build'])} | {kind} | "
                                 f"{sizes_text(group['sizes'])} | {group['queries']} | {recall} | "
