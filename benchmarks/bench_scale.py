@@ -44,8 +44,9 @@ recall@10 of both query sets against exact results (torch_grnnd.knn) and queries
 equal work), recall at list 64 and at the longest list by the size of the query's cluster, with
 the share of results in that cluster (lost between clusters, or inside a large one), and the
 peak GPU memory of the build beyond the data. Every build of a set after its first is also
-compared with the first at equal recall: its queries/s where it reaches the recall the first reaches at each list (a wider
-graph reaches a recall at a shorter list, so equal lists are unequal work). Writes
+compared with the first at equal recall: its queries/s where it reaches the recall the first
+reaches at each list (a wider graph reaches a recall at a shorter list, so equal lists are
+unequal work). Writes
 scale_<name>.{json,md,png} (the PNG: recall at list 64 against N
 per family, both query sets, with faiss HNSW where --hnsw asked for it).
 """
