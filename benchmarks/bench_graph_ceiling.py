@@ -15,12 +15,15 @@ spreads, centres about 68 apart and a row about 24 from its own centre at 1024-d
 Graphs made of those have no edges between clusters but the repair's: their figures for the
 in queries (mostly from big clusters, which hold hubs) are a ceiling, those for the rare ones
 (from small clusters, reached through other clusters) are not.
-For each input, these graphs of the same degree:
+For each input, these graphs:
   build            torch_grnnd.build with the defaults, then each of --builds;
   exact, pruned    the build's relative-neighbourhood rule applied to each row's exact
-                   2 x degree nearest neighbours (prune_rows), then the reachability repair:
+                   2 x width nearest neighbours (prune_rows), then the reachability repair:
                    the graph a fully converged build would start its pruning from;
-  exact, unpruned  each row's exact `degree` nearest neighbours, repaired the same way.
+  exact, unpruned  each row's exact `width` nearest neighbours, repaired the same way.
+The width is --exact-degree, or else the first build's row width: a build that widens its rows
+(BuildParams.widen, rows of twice the degree on the hard families) is set against exact graphs
+as wide as its own rows.
 Per graph: the share of a sample of rows' true 10 nearest neighbours that are among the row's
 edges, recall@10 of each query set at each list (against torch_grnnd.knn) and the distances a
 query computes; for a family also recall at the first list by the size of the query's cluster
@@ -102,23 +105,21 @@ def pruned_graph(data: torch.Tensor, candidates: torch.Tensor, degree: int, chun
 
 
 def inputs(args, device):
-    """(name, data, {query set: queries}, exact 2 x degree neighbours, time to find them, cluster
-    labels: None, or (the rows', {query set: the queries'})) of every --sizes cluster and --sets
-    family."""
-    k = 2 * args.degree
+    """(name, data, {query set: queries}, k -> each row's exact k nearest neighbours (int64 [N, k]),
+    cluster labels: None, or (the rows', {query set: the queries'})) of every --sizes cluster and
+    --sets family."""
     for n in (int(v) for v in args.sizes.split(",") if v):
         data, queries = anisotropic_cluster(n, args.dim, args.queries, device)
-        (_, exact), secs = timed(lambda: torch.ops.grnnd.knn_graph(data, k, exact=True), device)
-        yield f"cluster {n:,} x {args.dim}", data, {"in": queries}, exact.long(), secs, None
+        yield (f"cluster {n:,} x {args.dim}", data, {"in": queries},
+               lambda k: torch.ops.grnnd.knn_graph(data, k, exact=True)[1].long(), None)
     for family, n, d in parse_sets(args.sets) if args.sets else []:
         data, queries, labels, in_labels = make_set(family, n, d, want_labels=True, queries=args.queries,
                                                     device=device)
         rare, rare_labels = make_rare_queries(family, n, d, queries=args.queries, device=device)
         if device.type == "cpu":
             data, queries, rare = data.float(), queries.float(), rare.float()
-        exact, secs = timed(lambda: within_cluster_neighbours(data, labels, k), device)
-        yield (f"{family} {n:,} x {d}", data, {"in": queries, "rare": rare}, exact, secs,
-               (labels, {"in": in_labels, "rare": rare_labels}))
+        yield (f"{family} {n:,} x {d}", data, {"in": queries, "rare": rare},
+               lambda k: within_cluster_neighbours(data, labels, k), (labels, {"in": in_labels, "rare": rare_labels}))
 
 
 def main():
@@ -128,7 +129,9 @@ def main():
     p.add_argument("--sets", default="", help="families as family:NxD,... (benchmarks/datasets.py)")
     p.add_argument("--builds", nargs="*", default=[], help="more build settings, as \"delta=0,outer_iters=16\"")
     p.add_argument("--lists", default="64,256,1024")
-    p.add_argument("--degree", type=int, default=grnnd.BuildParams().degree)
+    p.add_argument("--degree", type=int, default=grnnd.BuildParams().degree, help="the builds' degree")
+    p.add_argument("--exact-degree", type=int, default=0,
+                   help="the exact graphs' row width (default: the first build's row width)")
     p.add_argument("--queries", type=int, default=1000)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--name", default="aniso")
@@ -138,27 +141,30 @@ def main():
     device = torch.device(args.device)
     results = {"machine": machine(torch.get_num_threads(), cuda=device.type == "cuda"), "degree": args.degree,
                "runs": []}
-    lines = [f"# Graph ceiling: the build's graph against the exact neighbours, degree {args.degree}", "",
+    lines = [f"# Graph ceiling: the build's graph against the exact neighbours, build degree {args.degree}", "",
              machine_line(results["machine"]), "",
-             "| data | graph | build s | true 10-NN among edges | queries | "
+             "| data | graph | build s | row width | true 10-NN among edges | queries | "
              + " | ".join(f"recall@10 list {s} (distances)" for s in lists) + " |",
-             "|---|---|---:|---:|---|" + "---|" * len(lists)]
-    for name, data, query_sets, exact, exact_s, labels in inputs(args, device):
+             "|---|---|---:|---:|---:|---|" + "---|" * len(lists)]
+    for name, data, query_sets, exact_neighbours, labels in inputs(args, device):
         truths = {kind: grnnd.knn(data, q, 10)[1] for kind, q in query_sets.items()}
-        sample = torch.randperm(data.shape[0], device=device)[:4000]
-        true10 = exact[sample, :10]
         graphs = []
         for text in [""] + args.builds:
             settings = {"degree": args.degree, **parse_settings(text)}
             graph, secs = timed(lambda: grnnd.build(data, **settings), device)
             graphs.append(("build " + (text or "defaults"), graph, secs))
-        pruned, secs = timed(lambda: pruned_graph(data, exact, args.degree), device)
+        width = args.exact_degree or graphs[0][1].shape[1]
+        exact, exact_s = timed(lambda: exact_neighbours(2 * width), device)
+        sample = torch.randperm(data.shape[0], device=device)[:4000]
+        true10 = exact[sample, :10]
+        pruned, secs = timed(lambda: pruned_graph(data, exact, width), device)
         graphs.append(("exact, pruned", pruned, exact_s + secs))
-        nearest = exact[:, :args.degree].int().contiguous()
+        nearest = exact[:, :width].int().contiguous()
         graphs.append(("exact, unpruned", torch.ops.grnnd.connect(data, nearest), exact_s))
         for graph_name, graph, secs in graphs:
-            row = {"data": name, "graph": graph_name, "build_s": secs, "edge_recall": edge_recall(graph, sample, true10),
-                   "recall": {}, "distances_per_query": {}, "by_cluster_size": {}}
+            row = {"data": name, "graph": graph_name, "build_s": secs, "width": graph.shape[1],
+                   "edge_recall": edge_recall(graph, sample, true10), "recall": {}, "distances_per_query": {},
+                   "by_cluster_size": {}}
             for kind, q in query_sets.items():
                 row["recall"][kind], row["distances_per_query"][kind] = {}, {}
                 for size in lists:
@@ -168,13 +174,13 @@ def main():
                         row["by_cluster_size"][kind] = by_cluster_size(ids, truths[kind], labels[0], labels[1][kind])
                     row["distances_per_query"][kind][size] = float(
                         grnnd.search_distance_counts(data, graph, q, 10, list_size=size).float().mean())
-                line = (f"| {name} | {graph_name} | {secs:.2f} | {row['edge_recall']:.3f} | {kind} | "
+                line = (f"| {name} | {graph_name} | {secs:.2f} | {row['width']} | {row['edge_recall']:.3f} | {kind} | "
                         + " | ".join(f"{row['recall'][kind][s]:.3f} ({row['distances_per_query'][kind][s]:,.0f})"
                                      for s in lists) + " |")
                 lines.append(line)
                 print(line, flush=True)
             for kind, groups in row["by_cluster_size"].items():
-                line = (f"| | | | | {kind}, list {lists[0]}, by the size of the query's cluster: "
+                line = (f"| | | | | | {kind}, list {lists[0]}, by the size of the query's cluster: "
                         + "; ".join(f"{sizes_text(g['sizes'])}: {g['recall']:.3f} ({g['queries']})" for g in groups)
                         + " |" + " |" * (len(lists) - 1))
                 lines.append(line)

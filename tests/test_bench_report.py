@@ -276,6 +276,16 @@ def test_the_graph_ceiling_benchmark_compares_the_build_with_the_exact_graphs(tm
     for r in runs.values():
         recall, work = r["recall"]["in"], r["distances_per_query"]["in"]  # lists as JSON keys
         assert 0.5 < recall["32"] <= 1.0 and recall["16"] <= recall["32"] + 0.02 and work["16"] < work["32"]
+    # The exact graphs are as wide as the first build's rows, or as --exact-degree asks.
+    assert runs["exact, pruned"]["width"] == runs["exact, unpruned"]["width"] == runs["build defaults"]["width"]
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_graph_ceiling", "--device", "cpu", "--dim", "32",
+                           "--sizes", "2000", "--lists", "32", "--queries", "50", "--exact-degree", "64",
+                           "--name", "wide", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = {r["graph"]: r for r in json.load(open(tmp_path / "graph_ceiling_wide.json"))["runs"]}
+    assert runs["exact, unpruned"]["width"] == 64 and runs["exact, unpruned"]["edge_recall"] == 1.0
+    assert runs["build defaults"]["width"] == 48
 
 
 def test_neighbours_within_clusters_are_the_exact_ones_where_clusters_lie_apart():
