@@ -265,11 +265,15 @@ def test_the_graph_ceiling_benchmark_compares_the_build_with_the_exact_graphs(tm
     # benchmarks/bench_graph_ceiling.py at toy size on the CPU: the build's graph beside the graphs
     # made from the exact neighbours, whose edges hold every row's true 10 nearest.
     import subprocess
-    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_graph_ceiling", "--device", "cpu", "--dim", "32",
-                           "--sizes", "2000", "--lists", "16,32", "--queries", "100", "--builds", "delta=0",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stdout + done.stderr
-    runs = {r["graph"]: r for r in json.load(open(tmp_path / "graph_ceiling_aniso.json"))["runs"]}
+
+    def ceiling_runs(name, *options):
+        done = subprocess.run([sys.executable, "-m", "benchmarks.bench_graph_ceiling", "--device", "cpu", "--dim", "32",
+                               "--sizes", "2000", "--name", name, "--out", str(tmp_path), *options],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return {r["graph"]: r for r in json.load(open(tmp_path / f"graph_ceiling_{name}.json"))["runs"]}
+
+    runs = ceiling_runs("aniso", "--lists", "16,32", "--queries", "100", "--builds", "delta=0")
     assert list(runs) == ["build defaults", "build delta=0", "exact, pruned", "exact, unpruned"]
     assert runs["exact, unpruned"]["edge_recall"] == 1.0
     assert runs["exact, pruned"]["edge_recall"] >= runs["build defaults"]["edge_recall"]
@@ -278,12 +282,7 @@ def test_the_graph_ceiling_benchmark_compares_the_build_with_the_exact_graphs(tm
         assert 0.5 < recall["32"] <= 1.0 and recall["16"] <= recall["32"] + 0.02 and work["16"] < work["32"]
     # The exact graphs are as wide as the first build's rows, or as --exact-degree asks.
     assert runs["exact, pruned"]["width"] == runs["exact, unpruned"]["width"] == runs["build defaults"]["width"]
-    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_graph_ceiling", "--device", "cpu", "--dim", "32",
-                           "--sizes", "2000", "--lists", "32", "--queries", "50", "--exact-degree", "64",
-                           "--name", "wide", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
-    assert done.returncode == 0, done.stdout + done.stderr
-    runs = {r["graph"]: r for r in json.load(open(tmp_path / "graph_ceiling_wide.json"))["runs"]}
+    runs = ceiling_runs("wide", "--lists", "32", "--queries", "50", "--exact-degree", "64")
     assert runs["exact, unpruned"]["width"] == 64 and runs["exact, unpruned"]["edge_recall"] == 1.0
     assert runs["build defaults"]["width"] == 48
 
